@@ -10,7 +10,20 @@ from optax_lossscale._core import NoOpLossScale as NoOpLossScale
 from optax_lossscale._core import StaticLossScale as StaticLossScale
 from optax_lossscale._core import all_finite as all_finite
 from optax_lossscale._core import unscale as unscale
+from optax_lossscale._ema import EmaParamsState as EmaParamsState
+from optax_lossscale._ema import ema_params as ema_params
+from optax_lossscale._ema import finalize_variable_values as finalize_variable_values
+from optax_lossscale._ema import get_ema_params as get_ema_params
+from optax_lossscale._keras import (
+  ExperimentalLossScaleOptimizer as ExperimentalLossScaleOptimizer,
+)
+from optax_lossscale._keras import LossScaleOptimizer as LossScaleOptimizer
+from optax_lossscale._keras import get_learning_rate as get_learning_rate
+from optax_lossscale._keras import set_learning_rate as set_learning_rate
 from optax_lossscale._transform import LossScaleState as LossScaleState
+from optax_lossscale._transform import NonFiniteStepsError as NonFiniteStepsError
+from optax_lossscale._transform import check_skipped_steps as check_skipped_steps
+from optax_lossscale._transform import diagnostics as diagnostics
 from optax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
 from optax_lossscale._transform import (
   find_loss_scale_state as find_loss_scale_state,
@@ -28,16 +41,27 @@ __all__ = (
   "DEFAULT_MIN_SCALE",
   "Counters",
   "DynamicLossScale",
+  "EmaParamsState",
+  "ExperimentalLossScaleOptimizer",
   "LossScale",
   "LossScaleConfig",
+  "LossScaleOptimizer",
   "LossScaleState",
   "NoOpLossScale",
+  "NonFiniteStepsError",
   "StaticLossScale",
   "all_finite",
+  "check_skipped_steps",
+  "diagnostics",
   "dynamic_loss_scale",
+  "ema_params",
+  "finalize_variable_values",
   "find_loss_scale_state",
+  "get_ema_params",
+  "get_learning_rate",
   "get_scale",
   "scale_loss",
+  "set_learning_rate",
   "static_loss_scale",
   "unscale",
   "value_and_grad",

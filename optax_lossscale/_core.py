@@ -440,6 +440,15 @@ class LossScale:
   def consecutive_skips(self) -> jax.Array:
     return self._counters.consecutive_skips
 
+  def get_config(self) -> dict[str, Any]:
+    """The constructor arguments (Python numbers): ``from_config`` inverts it."""
+    raise NotImplementedError
+
+  @classmethod
+  def from_config(cls, config: dict[str, Any]) -> LossScale:
+    """A fresh loss scale (initial counters) from :meth:`get_config`'s output."""
+    return cls(**config)
+
   def __call__(self) -> jax.Array:
     """The current loss scale, a float32 scalar."""
     return self._counters.loss_scale
@@ -498,6 +507,20 @@ class DynamicLossScale(LossScale):
     max_scale: the scale never goes above this (finite).
     hysteresis: non-finite steps tolerated before backing off (Megatron-LM);
       the count refills when the scale grows. 1 backs off on every one.
+    initial_loss_scale: TensorFlow's name for ``initial_scale``.
+    increment_period: TensorFlow's name for ``growth_interval``.
+    multiplier: TensorFlow's growth factor; the backoff factor is then
+      ``1 / multiplier``, as in TensorFlow.
+
+  Raises:
+    ValueError: an invalid value, or a TensorFlow name given together with
+      its counterpart (the message names both).
+
+  Example:
+    >>> import optax_lossscale as ols
+    >>> tf_style = ols.DynamicLossScale(initial_loss_scale=2048, increment_period=500)
+    >>> tf_style.config == ols.DynamicLossScale(2048, growth_interval=500).config
+    True
   """
 
   __slots__ = ()
@@ -512,7 +535,41 @@ class DynamicLossScale(LossScale):
     min_scale: float = DEFAULT_MIN_SCALE,
     max_scale: float = DEFAULT_MAX_SCALE,
     hysteresis: int = 1,
+    initial_loss_scale: float | None = None,
+    increment_period: int | None = None,
+    multiplier: float | None = None,
   ):
+    # TensorFlow's names (tf.compat.v1.mixed_precision.DynamicLossScale).
+    aliases = (
+      (
+        "initial_loss_scale",
+        initial_loss_scale,
+        "initial_scale",
+        initial_scale,
+        2.0**15,
+      ),
+      ("increment_period", increment_period, "growth_interval", growth_interval, 2000),
+    )
+    for alias, alias_value, name, value, default in aliases:
+      if alias_value is not None and value != default:
+        raise ValueError(
+          f"Give `{name}` or its TensorFlow name `{alias}`, not both "
+          f"(got {name}={value!r}, {alias}={alias_value!r})."
+        )
+    if initial_loss_scale is not None:
+      initial_scale = initial_loss_scale
+    if increment_period is not None:
+      growth_interval = increment_period
+    if multiplier is not None:
+      if (growth_factor, backoff_factor) != (2.0, 0.5):
+        raise ValueError(
+          "Give `growth_factor`/`backoff_factor` or TensorFlow's `multiplier`, "
+          f"not both (got multiplier={multiplier!r})."
+        )
+      growth_factor = _as_float("multiplier", multiplier)
+      if growth_factor <= 1.0:
+        raise ValueError(f"`multiplier` must be > 1, got {multiplier!r}.")
+      backoff_factor = 1.0 / growth_factor
     super().__init__(
       _dynamic_config(
         initial_scale,
@@ -524,6 +581,31 @@ class DynamicLossScale(LossScale):
         hysteresis,
       )
     )
+
+  # TensorFlow's attribute names.
+  @property
+  def initial_loss_scale(self) -> float:
+    return self._config.initial_scale
+
+  @property
+  def increment_period(self) -> int:
+    return self._config.growth_interval
+
+  @property
+  def multiplier(self) -> float:
+    return self._config.growth_factor
+
+  def get_config(self) -> dict[str, Any]:
+    c = self._config
+    return {
+      "initial_scale": c.initial_scale,
+      "growth_interval": c.growth_interval,
+      "growth_factor": c.growth_factor,
+      "backoff_factor": c.backoff_factor,
+      "min_scale": c.min_scale,
+      "max_scale": c.max_scale,
+      "hysteresis": c.hysteresis,
+    }
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -540,6 +622,12 @@ class StaticLossScale(LossScale):
 
   def __init__(self, scale: float, *, skip_nonfinite: bool = True):
     super().__init__(_static_config(scale, skip_nonfinite))
+
+  def get_config(self) -> dict[str, Any]:
+    return {
+      "scale": self._config.initial_scale,
+      "skip_nonfinite": self._config.skip_nonfinite,
+    }
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -562,3 +650,6 @@ class NoOpLossScale(LossScale):
         noop=True,
       )
     )
+
+  def get_config(self) -> dict[str, Any]:
+    return {}

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_lossscale import _core
@@ -250,37 +251,81 @@ def _is_scale_node(x: Any) -> bool:
   return isinstance(x, (LossScaleState, _core.LossScale))
 
 
-def find_loss_scale_state(opt_state: Any) -> LossScaleState | _core.LossScale:
-  """The one :class:`LossScaleState` (or :class:`LossScale`) in ``opt_state``.
+def _optimizer_state(obj: Any) -> Any:
+  """The optax state held by ``obj``: itself, or its ``opt_state`` attribute.
 
-  Searches nested optax states (``chain``, ``MultiSteps``,
-  ``inject_hyperparams``, ``masked``, …) and plain containers.
+  Flax's ``TrainState`` and ``nnx.Optimizer`` keep the optax state in an
+  ``opt_state`` attribute; the helpers below accept them directly.
+  """
+  if _is_scale_node(obj) or isinstance(obj, (tuple, list, dict)):
+    return obj
+  inner = getattr(obj, "opt_state", None)
+  return obj if inner is None else inner
+
+
+def find_unique(tree: Any, predicate: Callable[[Any], bool], what: str) -> Any:
+  """The one node of ``tree`` (searched depth-first) for which ``predicate``.
+
+  Args:
+    tree: any pytree (an optax state, nested ``chain``/``MultiSteps``/...).
+    predicate: says whether a node is the one looked for; matching nodes are
+      not searched further.
+    what: a description of the node, for the error messages.
 
   Raises:
-    ValueError: when there is none, or more than one.
+    ValueError: there is no such node, or more than one (with their paths).
   """
-  if _is_scale_node(opt_state):
-    return opt_state
+  if predicate(tree):
+    return tree
   found = [
     (path, node)
-    for path, node in jax.tree_util.tree_flatten_with_path(
-      opt_state, is_leaf=_is_scale_node
-    )[0]
-    if _is_scale_node(node)
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=predicate)[0]
+    if predicate(node)
   ]
   if not found:
     raise ValueError(
-      "No loss-scale state in this optimizer state (of type "
-      f"{type(opt_state).__name__}). Build the optimizer with "
-      "optax_lossscale.dynamic_loss_scale(...) or static_loss_scale(...)."
+      f"No {what} in this optimizer state (of type {type(tree).__name__})."
     )
   if len(found) > 1:
     paths = ", ".join(jax.tree_util.keystr(p) or "<root>" for p, _ in found)
     raise ValueError(
-      f"Found {len(found)} loss-scale states in this optimizer state (at "
-      f"{paths}); wrap the optimizer in one loss scale only."
+      f"Found {len(found)} {what}s in this optimizer state (at {paths}); "
+      "expected exactly one."
     )
   return found[0][1]
+
+
+def find_loss_scale_state(opt_state: Any) -> LossScaleState | _core.LossScale:
+  """The one :class:`LossScaleState` (or :class:`LossScale`) in ``opt_state``.
+
+  Searches nested optax states (``chain``, ``MultiSteps``,
+  ``inject_hyperparams``, ``masked``, …) and plain containers. Flax's
+  ``TrainState`` and ``nnx.Optimizer`` are accepted too (their
+  ``opt_state`` is searched); under NNX the fields are ``nnx`` variables.
+
+  Raises:
+    ValueError: when there is none, or more than one.
+  """
+  try:
+    return find_unique(_optimizer_state(opt_state), _is_scale_node, "loss-scale state")
+  except ValueError as e:
+    raise ValueError(
+      f"{e} Build the optimizer with optax_lossscale.dynamic_loss_scale(...) "
+      "or static_loss_scale(...), and wrap it in one loss scale only."
+    ) from None
+
+
+def _array(x: Any) -> Any:
+  """``x``, or the array an ``nnx`` variable holds."""
+  if _core.is_array(x) or not hasattr(x, "value"):
+    return x
+  return x.value
+
+
+def _counters(opt_state: Any) -> _core.Counters:
+  found = find_loss_scale_state(opt_state)
+  fields = found.counters if isinstance(found, _core.LossScale) else _counters_of(found)
+  return _core.Counters(*(_array(x) for x in fields))
 
 
 def get_scale(opt_state: Any) -> jax.Array:
@@ -288,7 +333,8 @@ def get_scale(opt_state: Any) -> jax.Array:
 
   Args:
     opt_state: an optimizer state holding exactly one :class:`LossScaleState`
-      (at any depth), or a :class:`LossScale` object.
+      (at any depth), a :class:`LossScale` object, or an object with an
+      ``opt_state`` attribute (Flax ``TrainState``, ``nnx.Optimizer``).
 
   Returns:
     A float32 scalar array (traced under ``jax.jit``).
@@ -296,7 +342,7 @@ def get_scale(opt_state: Any) -> jax.Array:
   Raises:
     ValueError: no loss-scale state, or more than one.
   """
-  return find_loss_scale_state(opt_state).loss_scale
+  return _counters(opt_state).loss_scale
 
 
 def scale_loss(loss: Any, opt_state: Any) -> jax.Array:
@@ -344,3 +390,102 @@ def value_and_grad(
     return out, grads
 
   return wrapper
+
+
+# --------------------------------------------------------------------------
+# Diagnostics.
+# --------------------------------------------------------------------------
+
+
+def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
+  """The loss-scale counters as device arrays, for logging (jit-friendly).
+
+  Args:
+    opt_state: anything :func:`get_scale` accepts.
+
+  Returns:
+    A dict of scalar arrays: ``loss_scale`` (float32), ``good_steps``,
+    ``hysteresis_left``, ``skipped_steps`` (total), ``consecutive_skips``
+    (int32) and ``last_step_skipped`` (bool). Inside ``jax.jit`` these are
+    traced values: return them from the step and fetch them when you log, no
+    host sync in the step.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lossscale as ols
+    >>> tx = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0)
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)
+    >>> d = ols.diagnostics(state)
+    >>> float(d["loss_scale"]), int(d["skipped_steps"]), bool(d["last_step_skipped"])
+    (4.0, 1, True)
+  """
+  c = _counters(opt_state)
+  return {
+    **c._asdict(),
+    "last_step_skipped": c.consecutive_skips > 0,
+  }
+
+
+class NonFiniteStepsError(FloatingPointError):
+  """Too many skipped steps in a row: see the message for the likely cause."""
+
+
+def check_skipped_steps(
+  opt_state_or_diagnostics: Any,
+  *,
+  max_consecutive_skips: int = 32,
+  min_scale: float = _core.DEFAULT_MIN_SCALE,
+) -> None:
+  """Host-side: raises once ``max_consecutive_skips`` steps in a row were skipped.
+
+  Call it outside ``jax.jit`` every few steps (it fetches three scalars, a
+  host sync): the counters live in the state, so nothing is missed between
+  calls. A few skips in a row are normal (the scale backing off after an
+  overflow, about ``log2(scale / min_scale)`` of them at most); a run that
+  keeps skipping once the scale has reached ``min_scale`` produces NaN or
+  ``inf`` by itself, whatever the scale, and no loss scale can fix it.
+
+  Args:
+    opt_state_or_diagnostics: anything :func:`get_scale` accepts, or the
+      dict :func:`diagnostics` returned (fetched or not).
+    max_consecutive_skips: the limit, >= 1.
+    min_scale: the floor the loss scale was built with (for the message).
+
+  Raises:
+    NonFiniteStepsError: the limit was reached; the message says whether the
+      scale is at its floor (the model produces NaN/inf) or still backing off.
+    ValueError: a bad argument, or called on traced values inside ``jit``.
+  """
+  limit = _core._as_int("max_consecutive_skips", max_consecutive_skips)
+  if limit < 1:
+    raise ValueError(f"`max_consecutive_skips` must be >= 1, got {limit}.")
+  d = opt_state_or_diagnostics
+  if not (isinstance(d, dict) and "consecutive_skips" in d):
+    d = diagnostics(d)
+  values = (d["consecutive_skips"], d["loss_scale"], d["skipped_steps"])
+  if any(isinstance(v, jax.core.Tracer) for v in values):
+    raise ValueError(
+      "check_skipped_steps is a host-side check: call it outside jax.jit, on "
+      "the state (or diagnostics) the step returned."
+    )
+  consecutive, scale, total = (np.asarray(v).item() for v in jax.device_get(values))
+  if consecutive < limit:
+    return
+  if scale <= min_scale:
+    cause = (
+      f"The loss scale is at its floor ({scale:g} <= min_scale={min_scale:g}) "
+      "and the gradients are still not finite: the model produces NaN or inf "
+      "at every scale (a NaN input or label, log(0), a division by zero, a "
+      "learning rate that made the parameters diverge), not a float16 "
+      "overflow that a smaller scale would fix."
+    )
+  else:
+    cause = (
+      f"The loss scale is {scale:g} and still backing off: the gradients "
+      "overflow at every scale tried so far. If this persists down to "
+      "min_scale, the model itself produces NaN or inf."
+    )
+  raise NonFiniteStepsError(
+    f"{consecutive} steps in a row were skipped for non-finite gradients "
+    f"({total} skipped in total; limit max_consecutive_skips={limit}). {cause}"
+  )

@@ -1,0 +1,158 @@
+"""An exponential moving average of the parameters, as an optax transformation.
+
+Optax averages *updates* (``optax.ema``), not parameters. Keras' ``use_ema``
+keeps an average of the model weights after every step and can overwrite the
+weights with it; :func:`ema_params` is that, with the average in its state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale import _core
+from optax_lossscale._transform import find_unique
+
+
+class EmaParamsState(NamedTuple):
+  """State of :func:`ema_params`.
+
+  Attributes:
+    count: int32, steps averaged so far (saturating).
+    ema: the average of the parameters after each step, in at least float32.
+  """
+
+  count: jax.Array
+  ema: optax.Params
+
+
+def _ema_dtype(x: jax.Array) -> Any:
+  # An average of half-precision weights with momentum 0.99 cannot move in
+  # half precision (the increments are below its resolution): keep float32.
+  return jnp.promote_types(x.dtype, jnp.float32)
+
+
+def ema_params(
+  momentum: float = 0.99,
+  *,
+  overwrite_frequency: int | None = None,
+) -> optax.GradientTransformation:
+  """Keeps an exponential moving average of the parameters (Keras' ``use_ema``).
+
+  Put it last in a chain: it sees the final updates, computes the new
+  parameters ``optax.apply_updates(params, updates)`` and averages them:
+  ``ema = m * ema + (1 - m) * new_params``, where ``m = momentum`` except on
+  the first step (``m = 0``: the average starts at the first new parameters),
+  as Keras does. Under a loss scale a skipped step leaves the state untouched.
+
+  Read the average with :func:`get_ema_params`, or swap it in with
+  :func:`finalize_variable_values` (Keras' name).
+
+  Args:
+    momentum: the averaging momentum, in [0, 1].
+    overwrite_frequency: if set, every ``overwrite_frequency``-th step the
+      updates are replaced so that the new parameters are the average (up to
+      one rounding of ``params + (ema - params)``), as Keras'
+      ``ema_overwrite_frequency``.
+
+  Returns:
+    An ``optax.GradientTransformation``; its ``update`` needs ``params``.
+
+  Raises:
+    ValueError: a bad argument (named), or ``update`` called without params.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lossscale as ols
+    >>> tx = optax.chain(optax.sgd(1.0), ols.ema_params(0.5))
+    >>> params = {"w": jnp.array([4.0])}
+    >>> state = tx.init(params)
+    >>> for _ in range(2):
+    ...   updates, state = tx.update({"w": jnp.array([1.0])}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> params["w"], ols.get_ema_params(state)["w"]  # 3, 2 -> ema 3, 2.5
+    (Array([2.], dtype=float32), Array([2.5], dtype=float32))
+  """
+  momentum = _core._as_float("momentum", momentum)
+  if not 0.0 <= momentum <= 1.0:
+    raise ValueError(f"`momentum` must be in [0, 1], got {momentum}.")
+  if overwrite_frequency is not None:
+    overwrite_frequency = _core._as_int("overwrite_frequency", overwrite_frequency)
+    if overwrite_frequency < 1:
+      raise ValueError(
+        f"`overwrite_frequency` must be an integer >= 1 or None, got "
+        f"{overwrite_frequency}."
+      )
+
+  def init_fn(params):
+    ema = jax.tree.map(
+      lambda p: p.astype(_ema_dtype(p)) if _core._is_float_array(p) else p, params
+    )
+    return EmaParamsState(count=jnp.zeros([], jnp.int32), ema=ema)
+
+  def update_fn(updates, state, params=None):
+    if params is None:
+      raise ValueError("ema_params needs the parameters: call update(..., params).")
+    new_params = optax.apply_updates(params, updates)
+    m = jnp.where(state.count == 0, 0.0, momentum).astype(jnp.float32)
+
+    def average(avg, p):
+      if not _core._is_float_array(p):
+        return avg
+      dt = avg.dtype
+      return m.astype(dt) * avg + (1 - m).astype(dt) * p.astype(dt)
+
+    ema = jax.tree.map(average, state.ema, new_params)
+    if overwrite_frequency is not None:
+      overwrite = (state.count + 1) % overwrite_frequency == 0
+
+      def to_average(u, avg, p):
+        if not (_core._is_float_array(u) and _core._is_float_array(p)):
+          return u
+        jump = (avg.astype(p.dtype) - p).astype(u.dtype)
+        return jnp.where(overwrite, jump, u)
+
+      updates = jax.tree.map(to_average, updates, ema, params)
+    return updates, EmaParamsState(count=optax.safe_increment(state.count), ema=ema)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _is_ema_state(x: Any) -> bool:
+  return isinstance(x, EmaParamsState)
+
+
+def get_ema_params(opt_state: Any) -> optax.Params:
+  """The averaged parameters kept by the one :func:`ema_params` in ``opt_state``.
+
+  Leaves are in at least float32; :func:`finalize_variable_values` casts them
+  to the parameters' dtypes.
+
+  Raises:
+    ValueError: no :func:`ema_params` state in ``opt_state``, or several.
+  """
+  state = find_unique(
+    getattr(opt_state, "opt_state", opt_state), _is_ema_state, "ema_params state"
+  )
+  return state.ema
+
+
+def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Params:
+  """``params`` with the moving average swapped in (Keras' name for it).
+
+  Args:
+    params: the current parameters (their tree and dtypes are kept).
+    opt_state: a state holding one :func:`ema_params` state.
+
+  Returns:
+    The averaged parameters, cast to the dtypes of ``params``; leaves that are
+    not floating arrays are taken from ``params``.
+  """
+  ema = get_ema_params(opt_state)
+
+  def swap(p, avg):
+    return avg.astype(p.dtype) if _core._is_float_array(p) else p
+
+  return jax.tree.map(swap, params, ema)

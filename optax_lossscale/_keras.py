@@ -1,0 +1,531 @@
+"""The Keras/TensorFlow ``LossScaleOptimizer`` surface, built on optax.
+
+For people porting TensorFlow or Keras code: every knob of
+``tf.keras.mixed_precision.LossScaleOptimizer`` (and of the deprecated
+``experimental`` class) with the same names and defaults, as an optax
+``GradientTransformationExtraArgs`` built from the core transformations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale import _core, _ema, _transform
+
+# optax aliases that a Keras optimizer name maps to, and Keras' default
+# learning rates (SGD 0.01, every other optimizer 0.001).
+_OPTIMIZERS = {
+  "sgd": optax.sgd,
+  "adam": optax.adam,
+  "adamw": optax.adamw,
+  "adamax": optax.adamax,
+  "nadam": optax.nadam,
+  "rmsprop": optax.rmsprop,
+  "adagrad": optax.adagrad,
+  "adadelta": optax.adadelta,
+  "adafactor": optax.adafactor,
+  "lamb": optax.lamb,
+  "lion": optax.lion,
+}
+_DEFAULT_LEARNING_RATE = {"sgd": 0.01}
+
+
+def _inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
+  """(the optax transformation, what ``get_config`` reports for it)."""
+  if isinstance(inner, optax.GradientTransformation):
+    return inner, inner
+  if isinstance(inner, str):
+    inner = {"class_name": inner, "config": {}}
+  if not (
+    isinstance(inner, Mapping)
+    and set(inner) <= {"class_name", "config"}
+    and isinstance(inner.get("class_name"), str)
+    and isinstance(inner.get("config", {}), Mapping)
+  ):
+    raise ValueError(
+      "`inner_optimizer` must be an optax GradientTransformation, an optimizer "
+      f"name such as 'adam', or {{'class_name': ..., 'config': {{...}}}}; got "
+      f"{inner!r}."
+    )
+  name = inner["class_name"].lower()
+  if name not in _OPTIMIZERS:
+    raise ValueError(
+      f"`inner_optimizer`: unknown optimizer {inner['class_name']!r}; known: "
+      f"{', '.join(sorted(_OPTIMIZERS))}."
+    )
+  config = {
+    "learning_rate": _DEFAULT_LEARNING_RATE.get(name, 0.001),
+    **inner.get("config", {}),
+  }
+  try:
+    tx = optax.inject_hyperparams(_OPTIMIZERS[name])(**config)
+  except TypeError as e:
+    raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
+  return tx, {"class_name": name, "config": config}
+
+
+def _optional_positive(name: str, value: Any) -> float | None:
+  if value is None:
+    return None
+  out = _core._as_float(name, value)
+  if out <= 0:
+    raise ValueError(f"`{name}` must be positive or None, got {value!r}.")
+  return out
+
+
+def _is_inject_state(x: Any) -> bool:
+  return isinstance(
+    x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+  ) and isinstance(x.hyperparams, Mapping)
+
+
+def _learning_rate_node(state: Any) -> Any:
+  try:
+    return _transform.find_unique(
+      state,
+      lambda x: _is_inject_state(x) and "learning_rate" in x.hyperparams,
+      "optax.inject_hyperparams state with a learning_rate",
+    )
+  except ValueError as e:
+    raise ValueError(
+      f"{e} Build the inner optimizer with optax.inject_hyperparams(...) (or "
+      "pass it by name, e.g. 'adam') to read or change its learning rate."
+    ) from None
+
+
+def get_learning_rate(opt_state: Any) -> jax.Array:
+  """The learning rate of the one ``optax.inject_hyperparams`` in ``opt_state``.
+
+  After a step it is the rate that step used (schedules included).
+  """
+  state = _transform._optimizer_state(opt_state)
+  return _learning_rate_node(state).hyperparams["learning_rate"]
+
+
+def set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
+  """``opt_state`` with the injected learning rate replaced (jit-friendly).
+
+  A rate that ``inject_hyperparams`` computes from a schedule is recomputed
+  on the next step; set rates given as numbers.
+  """
+  node = _learning_rate_node(opt_state)
+  old = node.hyperparams["learning_rate"]
+  new_node = node._replace(
+    hyperparams={
+      **node.hyperparams,
+      "learning_rate": jnp.asarray(learning_rate, jnp.result_type(old)),
+    }
+  )
+  return jax.tree.map(
+    lambda x: new_node if x is node else x,
+    opt_state,
+    is_leaf=lambda x: x is node,
+  )
+
+
+def _decoupled_weight_decay(
+  inner: optax.GradientTransformation, weight_decay: float
+) -> optax.GradientTransformationExtraArgs:
+  """Keras' weight decay: ``p -= p * weight_decay * learning_rate`` each step.
+
+  The learning rate is the one the inner optimizer used this step, read from
+  its ``inject_hyperparams`` state; the decay uses the parameters before the
+  step, as Keras does.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    state = inner.init(params)
+    _learning_rate_node(state)  # a clear error now, not at the first step
+    return state
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("`weight_decay` needs the parameters: call update(..., params).")
+    updates, state = inner.update(updates, state, params, **extra_args)
+    lr = _learning_rate_node(state).hyperparams["learning_rate"]
+
+    def decay(u, p):
+      if not (_core._is_float_array(u) and _core._is_float_array(p)):
+        return u
+      step = p * jnp.asarray(weight_decay, p.dtype) * lr.astype(p.dtype)
+      return u - step.astype(u.dtype)
+
+    return jax.tree.map(decay, updates, params), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _unscale_by(factor: float) -> optax.GradientTransformation:
+  """Divides the gradients by a fixed ``factor`` (Keras' ``loss_scale_factor``)."""
+  return optax.stateless(lambda updates, params=None: _core.unscale(updates, factor))
+
+
+class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
+  """Keras' ``LossScaleOptimizer``, as an optax transformation.
+
+  It *is* an ``optax.GradientTransformationExtraArgs`` (``init``/``update``),
+  so it drops into any optax, Flax or Orbax code. Its ``update`` takes the
+  gradients of the *scaled* loss (:meth:`scale_loss`) and, in this order:
+  unscales them by the loss scale; checks them; divides them by
+  ``loss_scale_factor``; accumulates them (``gradient_accumulation_steps``);
+  clips them (``clipnorm``/``clipvalue``/``global_clipnorm``); runs the inner
+  optimizer, plus Keras' decoupled ``weight_decay``; updates the average of
+  the weights (``use_ema``); adjusts the scale. Clipping, decay and
+  accumulation all see *unscaled* gradients.
+
+  Since optax transformations are stateless objects, the Keras attributes that
+  live in variables are methods that take the optimizer state:
+  ``loss_scale(state)``, ``dynamic_counter(state)``,
+  ``learning_rate(state)``.
+
+  Args:
+    inner_optimizer: an optax transformation, or a Keras-style optimizer name
+      (``'sgd'``, ``'adam'``, …) or ``{'class_name': name, 'config':
+      {...}}``, built with ``optax.inject_hyperparams`` and Keras' default
+      learning rate (0.01 for SGD, else 0.001). Names make ``get_config``
+      serialisable; a transformation appears in it as itself.
+    initial_scale: the initial loss scale (the fixed one if not ``dynamic``).
+    dynamic_growth_steps: finite steps in a row before the scale doubles.
+    dynamic: dynamic loss scaling (default). ``False`` keeps
+      ``initial_scale`` fixed and, as TensorFlow's fixed loss scale, applies
+      every step even when it is not finite (use :func:`static_loss_scale` for
+      a fixed scale that skips).
+    weight_decay: Keras' decoupled weight decay, ``p -= p * wd * lr`` each
+      step; needs the learning rate (an inner optimizer given by name or
+      built with ``optax.inject_hyperparams``).
+    clipnorm: clip each gradient to this L2 norm.
+    clipvalue: clip each gradient entry to ``[-clipvalue, clipvalue]``.
+    global_clipnorm: clip all gradients to this global L2 norm. At most one of
+      the three clipping arguments.
+    use_ema: keep an exponential moving average of the weights
+      (:func:`ema_params`); read it with :meth:`finalize_variable_values`.
+    ema_momentum: the EMA momentum, in [0, 1].
+    ema_overwrite_frequency: overwrite the weights with their average every
+      this many applied steps (``None``: never).
+    loss_scale_factor: a fixed extra factor on the loss, divided out of the
+      gradients first.
+    gradient_accumulation_steps: apply the mean of this many (>= 2) finite
+      micro-batch gradients at once (``optax.MultiSteps`` inside the scale).
+    min_scale: floor of the dynamic scale.
+    max_scale: ceiling of the dynamic scale.
+    hysteresis: non-finite steps tolerated before backing off.
+    axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
+
+  Raises:
+    ValueError: any invalid argument; the message names it.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lossscale as ols
+    >>> opt = ols.LossScaleOptimizer("sgd", initial_scale=1024.0, clipnorm=1.0)
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = opt.init(params)
+    >>> grads = {"w": jnp.full(3, 1024.0 * 10)}  # gradients of the scaled loss
+    >>> updates, state = opt.update(grads, state, params)
+    >>> updates["w"]  # unscaled to 10, clipped to norm 1, times -0.01
+    Array([-0.0057735, -0.0057735, -0.0057735], dtype=float32)
+    >>> float(opt.loss_scale(state)), int(opt.dynamic_counter(state))
+    (1024.0, 1)
+  """
+
+  def __new__(
+    cls,
+    inner_optimizer: Any,
+    initial_scale: float = 2.0**15,
+    dynamic_growth_steps: int | None = 2000,
+    *,
+    dynamic: bool = True,
+    weight_decay: float | None = None,
+    clipnorm: float | None = None,
+    clipvalue: float | None = None,
+    global_clipnorm: float | None = None,
+    use_ema: bool = False,
+    ema_momentum: float = 0.99,
+    ema_overwrite_frequency: int | None = None,
+    loss_scale_factor: float | None = None,
+    gradient_accumulation_steps: int | None = None,
+    min_scale: float = _core.DEFAULT_MIN_SCALE,
+    max_scale: float = _core.DEFAULT_MAX_SCALE,
+    hysteresis: int = 1,
+    axis_name: Any = None,
+  ):
+    inner, inner_config = _inner_spec(inner_optimizer)
+    if not isinstance(dynamic, bool):
+      raise ValueError(f"`dynamic` must be a bool, got {dynamic!r}.")
+    if dynamic:
+      if dynamic_growth_steps is None:
+        raise ValueError("`dynamic_growth_steps` must be an integer when dynamic.")
+      scale = _core.DynamicLossScale(
+        initial_scale,
+        growth_interval=dynamic_growth_steps,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+      )
+      dynamic_growth_steps = scale.config.growth_interval
+    else:
+      # TensorFlow's fixed loss scale applies every step.
+      scale = _core.StaticLossScale(initial_scale, skip_nonfinite=False)
+      dynamic_growth_steps = None
+    initial_scale = scale.config.initial_scale
+
+    if weight_decay is not None:
+      weight_decay = _core._as_float("weight_decay", weight_decay)
+      if weight_decay < 0:
+        raise ValueError(f"`weight_decay` must be >= 0 or None, got {weight_decay}.")
+    clipnorm = _optional_positive("clipnorm", clipnorm)
+    clipvalue = _optional_positive("clipvalue", clipvalue)
+    global_clipnorm = _optional_positive("global_clipnorm", global_clipnorm)
+    if sum(c is not None for c in (clipnorm, clipvalue, global_clipnorm)) > 1:
+      raise ValueError(
+        "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set; "
+        f"got clipnorm={clipnorm}, clipvalue={clipvalue}, "
+        f"global_clipnorm={global_clipnorm}."
+      )
+    if not isinstance(use_ema, bool):
+      raise ValueError(f"`use_ema` must be a bool, got {use_ema!r}.")
+    ema_momentum = _core._as_float("ema_momentum", ema_momentum)
+    if not 0.0 <= ema_momentum <= 1.0:
+      raise ValueError(f"`ema_momentum` must be in [0, 1], got {ema_momentum}.")
+    if ema_overwrite_frequency is not None:
+      ema_overwrite_frequency = _core._as_int(
+        "ema_overwrite_frequency", ema_overwrite_frequency
+      )
+      if ema_overwrite_frequency < 1:
+        raise ValueError(
+          "`ema_overwrite_frequency` must be an integer >= 1 or None, got "
+          f"{ema_overwrite_frequency}."
+        )
+    loss_scale_factor = _optional_positive("loss_scale_factor", loss_scale_factor)
+    if gradient_accumulation_steps is not None:
+      gradient_accumulation_steps = _core._as_int(
+        "gradient_accumulation_steps", gradient_accumulation_steps
+      )
+      if gradient_accumulation_steps < 2:
+        raise ValueError(
+          "`gradient_accumulation_steps` must be an integer >= 2 or None, got "
+          f"{gradient_accumulation_steps}."
+        )
+
+    # Build the chain, innermost first (the order is the docstring's).
+    body = inner
+    if weight_decay:
+      body = _decoupled_weight_decay(body, weight_decay)
+    if use_ema:
+      body = optax.chain(
+        body,
+        _ema.ema_params(ema_momentum, overwrite_frequency=ema_overwrite_frequency),
+      )
+    if clipnorm is not None:
+      body = optax.chain(_clip_each_by_norm(clipnorm), body)
+    elif clipvalue is not None:
+      body = optax.chain(optax.clip(clipvalue), body)
+    elif global_clipnorm is not None:
+      body = optax.chain(optax.clip_by_global_norm(global_clipnorm), body)
+    if gradient_accumulation_steps is not None:
+      body = optax.MultiSteps(
+        body, gradient_accumulation_steps
+      ).gradient_transformation()
+    if loss_scale_factor is not None:
+      body = optax.chain(_unscale_by(loss_scale_factor), body)
+    tx = _transform.with_loss_scale(body, scale, axis_name=axis_name)
+
+    self = super().__new__(cls, tx.init, tx.update)
+    self._inner = inner
+    self._loss_scale_factor = loss_scale_factor
+    self._config = {
+      "inner_optimizer": inner_config,
+      "dynamic": dynamic,
+      "initial_scale": initial_scale,
+      "dynamic_growth_steps": dynamic_growth_steps,
+      "weight_decay": weight_decay,
+      "clipnorm": clipnorm,
+      "clipvalue": clipvalue,
+      "global_clipnorm": global_clipnorm,
+      "use_ema": use_ema,
+      "ema_momentum": ema_momentum,
+      "ema_overwrite_frequency": ema_overwrite_frequency,
+      "loss_scale_factor": loss_scale_factor,
+      "gradient_accumulation_steps": gradient_accumulation_steps,
+      "min_scale": scale.config.min_scale if dynamic else _core.DEFAULT_MIN_SCALE,
+      "max_scale": scale.config.max_scale if dynamic else _core.DEFAULT_MAX_SCALE,
+      "hysteresis": scale.config.hysteresis,
+      "axis_name": axis_name,
+    }
+    return self
+
+  def __repr__(self):
+    return f"{type(self).__name__}({self._config!r})"
+
+  # -- configuration -------------------------------------------------------
+
+  def get_config(self) -> dict[str, Any]:
+    """The constructor arguments; :meth:`from_config` builds an equal optimizer."""
+    return dict(self._config)
+
+  @classmethod
+  def from_config(cls, config: Mapping[str, Any]) -> LossScaleOptimizer:
+    """A new optimizer (fresh state) from :meth:`get_config`'s output."""
+    return LossScaleOptimizer.__new__(cls, **config)
+
+  def __getattr__(self, name):
+    # Every constructor argument is readable as an attribute (Keras' style).
+    config = self.__dict__.get("_config", {})
+    if name in config and name != "inner_optimizer":
+      return config[name]
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+  @property
+  def inner_optimizer(self) -> optax.GradientTransformation:
+    """The wrapped optax transformation (built, if given by name)."""
+    return self._inner
+
+  # -- reading the state ---------------------------------------------------
+
+  def loss_scale(self, state: Any) -> jax.Array:
+    """The current float32 loss scale held in ``state``."""
+    return _transform.get_scale(state)
+
+  def dynamic_counter(self, state: Any) -> jax.Array | None:
+    """Finite steps in a row since the scale last changed; ``None`` if fixed."""
+    if not self._config["dynamic"]:
+      return None
+    return _transform._counters(state).good_steps
+
+  def learning_rate(self, state: Any) -> jax.Array:
+    """The inner optimizer's injected learning rate (see :func:`get_learning_rate`)."""
+    return get_learning_rate(state)
+
+  lr = learning_rate
+
+  def set_learning_rate(self, state: Any, learning_rate: Any) -> Any:
+    """``state`` with the inner learning rate replaced."""
+    return set_learning_rate(state, learning_rate)
+
+  # -- the loss-scaling operations -----------------------------------------
+
+  def scale_loss(self, loss: Any, state: Any) -> jax.Array:
+    """``loss * loss_scale * loss_scale_factor``, in at least float32."""
+    scaled = _transform.scale_loss(loss, state)
+    if self._loss_scale_factor is None:
+      return scaled
+    return _core.scale_value(scaled, self._loss_scale_factor)
+
+  def get_unscaled_gradients(self, grads: Any, state: Any) -> Any:
+    """Gradients of :meth:`scale_loss`'s loss divided back, as ``update`` does."""
+    grads = _core.unscale(grads, _transform.get_scale(state))
+    if self._loss_scale_factor is None:
+      return grads
+    return _core.unscale(grads, self._loss_scale_factor)
+
+  @staticmethod
+  def check_finite(grads: Any) -> jax.Array:
+    """Whether every floating entry of ``grads`` is finite (a bool scalar)."""
+    return _core.all_finite(grads)
+
+  def finalize_variable_values(self, params: Any, state: Any) -> Any:
+    """``params`` with the EMA swapped in if ``use_ema``, else ``params``."""
+    if not self._config["use_ema"]:
+      return params
+    return _ema.finalize_variable_values(params, state)
+
+
+def _clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
+  """Keras' ``clipnorm``: each gradient leaf clipped to L2 norm ``max_norm``."""
+
+  def clip(updates, params=None):
+    del params
+
+    def one(g):
+      if not _core._is_float_array(g):
+        return g
+      # Keras' formula: g * max_norm / max(norm, max_norm), in float32.
+      g32 = g.astype(jnp.float32)
+      norm = jnp.sqrt(jnp.sum(jnp.square(g32)))
+      return (g32 * max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
+
+    return jax.tree.map(one, updates)
+
+  return optax.stateless(clip)
+
+
+class ExperimentalLossScaleOptimizer(LossScaleOptimizer):
+  """The deprecated ``tf.keras.mixed_precision.experimental.LossScaleOptimizer``.
+
+  Its constructor takes one ``loss_scale`` argument instead of three:
+
+  * ``'dynamic'``: ``LossScaleOptimizer(optimizer)``;
+  * a number ``x``: ``LossScaleOptimizer(optimizer, dynamic=False,
+    initial_scale=x)``;
+  * a :class:`DynamicLossScale` (TensorFlow's names ``initial_loss_scale``,
+    ``increment_period``, ``multiplier`` are accepted): its initial scale and
+    growth interval; ``multiplier`` must be 2;
+  * a :class:`StaticLossScale` with ``skip_nonfinite=False`` (TensorFlow's
+    ``FixedLossScale``): its scale.
+
+  ``get_config()`` equals that of the equivalent :class:`LossScaleOptimizer`.
+  It subclasses :class:`LossScaleOptimizer`, not the other way round, as in
+  TensorFlow.
+
+  Example:
+    >>> import optax_lossscale as ols
+    >>> opt1 = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=123)
+    >>> opt2 = ols.LossScaleOptimizer("sgd", dynamic=False, initial_scale=123)
+    >>> opt1.get_config() == opt2.get_config()
+    True
+  """
+
+  def __new__(cls, optimizer: Any, loss_scale: Any):
+    kwargs = _from_loss_scale(loss_scale)
+    return LossScaleOptimizer.__new__(cls, optimizer, **kwargs)
+
+
+def _from_loss_scale(loss_scale: Any) -> dict[str, Any]:
+  if isinstance(loss_scale, str):
+    if loss_scale != "dynamic":
+      raise ValueError(
+        f"`loss_scale` must be 'dynamic', a number or a LossScale; got the "
+        f"string {loss_scale!r}."
+      )
+    return {}
+  if isinstance(loss_scale, _core.DynamicLossScale):
+    c = loss_scale.config
+    if c.growth_factor != 2.0 or c.backoff_factor != 0.5:
+      raise ValueError(
+        "`loss_scale`: a DynamicLossScale passed to the Keras optimizer must "
+        f"have multiplier 2 (growth_factor=2, backoff_factor=0.5); got "
+        f"growth_factor={c.growth_factor}, backoff_factor={c.backoff_factor}."
+      )
+    return {
+      "initial_scale": c.initial_scale,
+      "dynamic_growth_steps": c.growth_interval,
+      "min_scale": c.min_scale,
+      "max_scale": c.max_scale,
+      "hysteresis": c.hysteresis,
+    }
+  if isinstance(loss_scale, _core.StaticLossScale):
+    if loss_scale.config.skip_nonfinite:
+      raise ValueError(
+        "`loss_scale`: the Keras optimizer's fixed scale applies every step, "
+        "as TensorFlow's FixedLossScale; pass StaticLossScale(x, "
+        "skip_nonfinite=False), or use optax_lossscale.static_loss_scale for "
+        "a fixed scale that skips non-finite steps."
+      )
+    return {"dynamic": False, "initial_scale": loss_scale.config.initial_scale}
+  if isinstance(loss_scale, _core.LossScale):
+    raise ValueError(
+      f"`loss_scale` must be 'dynamic', a number, a DynamicLossScale or a "
+      f"StaticLossScale; got {loss_scale!r}."
+    )
+  try:
+    value = _core._check_scale("loss_scale", loss_scale)
+  except ValueError as e:
+    raise ValueError(
+      f"{e} (`loss_scale` must be 'dynamic', a positive number or a LossScale.)"
+    ) from None
+  return {"dynamic": False, "initial_scale": value}

@@ -1,0 +1,420 @@
+"""The Keras-style facade: seeds 000/001/003, base keyword arguments, EMA."""
+
+import json
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import chex  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+import pytest  # noqa: E402
+
+import optax_lossscale as ols  # noqa: E402
+
+# optax's inject_hyperparams and schedules do `float ** int32`.
+pytestmark = pytest.mark.standard_promotion
+
+
+def _params():
+  return {
+    "w": jnp.arange(6, dtype=jnp.float32).reshape(2, 3) / 10 - 0.2,
+    "b": jnp.ones((3,), jnp.float32),
+  }
+
+
+# --------------------------------------------------------------------------
+# Seed 000: the experimental constructor and its three get_config equalities.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["names", "shared object"])
+def test_seed_000_get_config_equalities(inner):
+  if inner == "names":
+    sgd = lambda: "SGD"  # a fresh Keras-style optimizer per call, as the seed
+  else:
+    shared = optax.sgd(0.01)
+    sgd = lambda: shared
+  E, L = ols.ExperimentalLossScaleOptimizer, ols.LossScaleOptimizer
+
+  opt1 = E(sgd(), loss_scale="dynamic")
+  opt2 = L(sgd())
+  assert opt1.get_config() == opt2.get_config()
+
+  opt1 = E(sgd(), loss_scale=123)
+  opt2 = L(sgd(), dynamic=False, initial_scale=123)
+  assert opt1.get_config() == opt2.get_config()
+
+  loss_scale = ols.DynamicLossScale(initial_loss_scale=2048, increment_period=500)
+  opt1 = E(sgd(), loss_scale=loss_scale)
+  opt2 = L(sgd(), initial_scale=2048, dynamic_growth_steps=500)
+  assert opt1.get_config() == opt2.get_config()
+
+  # ... and they are not all equal to each other (the equality can fail).
+  assert L(sgd()).get_config() != L(sgd(), initial_scale=2048).get_config()
+
+
+def test_seed_000_subclassing_and_attributes():
+  opt1 = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale="dynamic")
+  opt2 = ols.LossScaleOptimizer("sgd")
+  assert isinstance(opt1, ols.LossScaleOptimizer)
+  assert not isinstance(opt2, ols.ExperimentalLossScaleOptimizer)
+  for opt in (opt1, opt2):
+    assert isinstance(opt, optax.GradientTransformationExtraArgs)
+    assert opt.dynamic is True
+    assert opt.initial_scale == 2.0**15
+    assert opt.dynamic_growth_steps == 2000
+    assert isinstance(opt.inner_optimizer, optax.GradientTransformation)
+  fixed = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=123)
+  assert fixed.dynamic is False
+  assert fixed.initial_scale == 123.0
+  assert fixed.dynamic_growth_steps is None  # as TF: None when not dynamic
+  state = fixed.init(_params())
+  assert fixed.dynamic_counter(state) is None
+  assert float(fixed.loss_scale(state)) == 123.0
+
+
+def test_config_is_json_and_round_trips():
+  opt = ols.LossScaleOptimizer(
+    {"class_name": "adam", "config": {"learning_rate": 0.003, "b1": 0.8}},
+    initial_scale=256,
+    dynamic_growth_steps=7,
+    clipvalue=0.5,
+    weight_decay=0.01,
+    use_ema=True,
+    ema_overwrite_frequency=3,
+    gradient_accumulation_steps=2,
+    loss_scale_factor=4.0,
+  )
+  config = json.loads(json.dumps(opt.get_config()))
+  again = ols.LossScaleOptimizer.from_config(config)
+  assert again.get_config() == opt.get_config()
+  assert again.clipvalue == 0.5 and again.gradient_accumulation_steps == 2
+
+  # The rebuilt optimizer computes the same thing.
+  params = _params()
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 256.0 * 4.0 * 0.3), params)
+  s1, s2 = opt.init(params), again.init(params)
+  for _ in range(4):
+    u1, s1 = opt.update(grads, s1, params)
+    u2, s2 = again.update(grads, s2, params)
+    chex.assert_trees_all_equal(u1, u2)
+  chex.assert_trees_all_equal(s1, s2)
+
+
+def test_experimental_from_config_keeps_class():
+  opt = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=64)
+  again = type(opt).from_config(opt.get_config())
+  assert type(again) is ols.ExperimentalLossScaleOptimizer
+  assert again.get_config() == opt.get_config()
+
+
+@pytest.mark.parametrize(
+  "loss_scale, match",
+  [
+    ("dynamc", "loss_scale"),
+    ("", "loss_scale"),
+    (-1.0, "loss_scale"),
+    (0, "loss_scale"),
+    (float("inf"), "loss_scale"),
+    (None, "loss_scale"),
+    ([2.0], "loss_scale"),
+    (ols.DynamicLossScale(multiplier=4.0), "multiplier"),
+    (ols.DynamicLossScale(growth_factor=2.0, backoff_factor=0.25), "multiplier"),
+    (ols.NoOpLossScale(), "loss_scale"),
+    (ols.StaticLossScale(8.0), "skip_nonfinite=False"),
+  ],
+)
+def test_experimental_bad_loss_scale(loss_scale, match):
+  with pytest.raises(ValueError, match=match):
+    ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=loss_scale)
+
+
+def test_experimental_accepts_tf_fixed_and_dynamic_objects():
+  opt = ols.ExperimentalLossScaleOptimizer(
+    "sgd", loss_scale=ols.StaticLossScale(32.0, skip_nonfinite=False)
+  )
+  assert (
+    opt.get_config()
+    == ols.LossScaleOptimizer("sgd", dynamic=False, initial_scale=32).get_config()
+  )
+  opt = ols.ExperimentalLossScaleOptimizer(
+    "sgd", loss_scale=ols.DynamicLossScale(multiplier=2.0, hysteresis=2)
+  )
+  assert opt.get_config()["hysteresis"] == 2
+
+
+def test_tf_names_on_dynamic_loss_scale():
+  ls = ols.DynamicLossScale(initial_loss_scale=64, increment_period=10, multiplier=4)
+  assert (ls.initial_loss_scale, ls.increment_period, ls.multiplier) == (64.0, 10, 4.0)
+  assert ls.config.backoff_factor == 0.25  # TF: backoff is 1 / multiplier
+  assert ols.DynamicLossScale.from_config(ls.get_config()).config == ls.config
+  with pytest.raises(ValueError, match="initial_loss_scale"):
+    ols.DynamicLossScale(4.0, initial_loss_scale=8.0)
+  with pytest.raises(ValueError, match="increment_period"):
+    ols.DynamicLossScale(growth_interval=3, increment_period=4)
+  with pytest.raises(ValueError, match="multiplier"):
+    ols.DynamicLossScale(growth_factor=3.0, multiplier=2.0)
+  with pytest.raises(ValueError, match="multiplier"):
+    ols.DynamicLossScale(multiplier=1.0)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"clipnorm": 1.0, "clipvalue": 1.0}, "Only one of"),
+    ({"clipnorm": 1.0, "global_clipnorm": 1.0}, "Only one of"),
+    ({"clipnorm": -1.0}, "clipnorm"),
+    ({"clipvalue": 0.0}, "clipvalue"),
+    ({"global_clipnorm": float("nan")}, "global_clipnorm"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"weight_decay": "0.1"}, "weight_decay"),
+    ({"use_ema": 1}, "use_ema"),
+    ({"ema_momentum": 1.5}, "ema_momentum"),
+    ({"ema_overwrite_frequency": 0}, "ema_overwrite_frequency"),
+    ({"ema_overwrite_frequency": 2.5}, "ema_overwrite_frequency"),
+    ({"loss_scale_factor": 0.0}, "loss_scale_factor"),
+    ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),
+    ({"initial_scale": -2.0}, "initial_scale"),
+    ({"dynamic_growth_steps": 0}, "growth_interval"),
+    ({"dynamic_growth_steps": None}, "dynamic_growth_steps"),
+    ({"dynamic": "yes"}, "dynamic"),
+    ({"min_scale": 4.0, "initial_scale": 2.0}, "initial_scale"),
+  ],
+)
+def test_bad_keyword_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ols.LossScaleOptimizer("sgd", **kwargs)
+
+
+@pytest.mark.parametrize(
+  "inner, match",
+  [
+    ("adamm", "unknown optimizer"),
+    ({"class_name": "sgd", "config": {"learning_rat": 0.1}}, "learning_rat"),
+    ({"name": "sgd"}, "inner_optimizer"),
+    (3, "inner_optimizer"),
+  ],
+)
+def test_bad_inner_optimizer(inner, match):
+  with pytest.raises(ValueError, match=match):
+    ols.LossScaleOptimizer(inner)
+
+
+def test_weight_decay_needs_a_learning_rate():
+  opt = ols.LossScaleOptimizer(optax.sgd(0.1), weight_decay=0.01)
+  with pytest.raises(ValueError, match="inject_hyperparams"):
+    opt.init(_params())
+  # With an injected learning rate it works.
+  opt = ols.LossScaleOptimizer(
+    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), weight_decay=0.01
+  )
+  opt.init(_params())
+
+
+# --------------------------------------------------------------------------
+# The methods that read the state.
+# --------------------------------------------------------------------------
+
+
+def test_state_methods():
+  opt = ols.LossScaleOptimizer(
+    "sgd", initial_scale=8.0, dynamic_growth_steps=2, loss_scale_factor=4.0
+  )
+  params = _params()
+  state = opt.init(params)
+  assert float(opt.loss_scale(state)) == 8.0
+  assert int(opt.dynamic_counter(state)) == 0
+  loss = jnp.asarray(1.5, jnp.float16)
+  scaled = opt.scale_loss(loss, state)
+  assert scaled.dtype == jnp.float32 and float(scaled) == 1.5 * 8.0 * 4.0
+
+  # The gradients of scale_loss's loss, unscaled, are the plain gradients,
+  # and they are exactly what update feeds the inner optimizer (sgd: -lr * g).
+  f = lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"])
+  grads = jax.grad(lambda p: opt.scale_loss(f(p), state))(params)
+  unscaled = opt.get_unscaled_gradients(grads, state)
+  chex.assert_trees_all_close(unscaled, jax.grad(f)(params), rtol=1e-6)
+  updates, state = jax.jit(opt.update)(grads, state, params)
+  chex.assert_trees_all_equal(updates, jax.tree.map(lambda g: -0.01 * g, unscaled))
+
+  assert bool(opt.check_finite(grads))
+  assert not bool(opt.check_finite({"a": jnp.array([1.0, jnp.nan])}))
+  assert int(opt.dynamic_counter(state)) == 1
+  _, state = opt.update(grads, state, params)
+  assert int(opt.dynamic_counter(state)) == 0 and float(opt.loss_scale(state)) == 16.0
+
+
+def test_learning_rate_read_and_changed_under_jit():
+  opt = ols.LossScaleOptimizer("sgd", initial_scale=1.0)
+  params = _params()
+  state = opt.init(params)
+  assert float(opt.learning_rate(state)) == pytest.approx(0.01)
+  assert opt.lr(state) is opt.learning_rate(state)
+  state = jax.jit(opt.set_learning_rate)(state, 0.5)
+  assert float(opt.learning_rate(state)) == 0.5
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = opt.update(grads, state, params)
+  chex.assert_trees_all_equal(updates, jax.tree.map(lambda g: -0.5 * g, grads))
+
+  plain = ols.LossScaleOptimizer(optax.sgd(0.1))
+  with pytest.raises(ValueError, match="inject_hyperparams"):
+    plain.learning_rate(plain.init(params))
+
+
+# --------------------------------------------------------------------------
+# Base keyword arguments: the unscaled gradients reach clipping and decay.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "kwargs, clip",
+  [
+    ({"clipnorm": 1.0}, lambda g: g / jnp.maximum(jnp.linalg.norm(g), 1.0)),
+    ({"clipvalue": 0.1}, lambda g: jnp.clip(g, -0.1, 0.1)),
+  ],
+)
+def test_clipping_sees_unscaled_gradients(kwargs, clip):
+  scale = 2.0**12
+  opt = ols.LossScaleOptimizer(
+    {"class_name": "sgd", "config": {"learning_rate": 1.0}},
+    initial_scale=scale,
+    **kwargs,
+  )
+  params = _params()
+  true_grads = jax.tree.map(lambda p: jnp.full_like(p, 0.7), params)
+  scaled = jax.tree.map(lambda g: g * scale, true_grads)
+  updates, _ = opt.update(scaled, opt.init(params), params)
+  # Unscale first, then clip. Clipping the scaled gradients and unscaling
+  # afterwards would give updates `scale` times smaller.
+  expected = jax.tree.map(lambda g: -clip(g), true_grads)
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+
+
+def test_global_clipnorm_sees_unscaled_gradients():
+  scale = 2.0**12
+  opt = ols.LossScaleOptimizer(
+    {"class_name": "sgd", "config": {"learning_rate": 1.0}},
+    initial_scale=scale,
+    global_clipnorm=1.0,
+  )
+  params = _params()
+  true_grads = jax.tree.map(lambda p: jnp.full_like(p, 0.7), params)
+  scaled = jax.tree.map(lambda g: g * scale, true_grads)
+  updates, _ = opt.update(scaled, opt.init(params), params)
+  norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(true_grads)))
+  chex.assert_trees_all_close(
+    updates, jax.tree.map(lambda g: -g / norm, true_grads), rtol=1e-6
+  )
+
+
+# --------------------------------------------------------------------------
+# Differential: every base keyword argument against Keras 3 (JAX backend).
+# --------------------------------------------------------------------------
+
+SHAPES = [(3,), (2, 4)]
+# A pattern of finite (True) and non-finite (False) steps that makes the scale
+# grow, back off, and skip inside accumulation windows and EMA periods.
+PATTERN = [True] * 5 + [False] + [True] * 3 + [False, False] + [True] * 9 + [False]
+
+
+def _grad_sequence(seed):
+  rng = np.random.default_rng(seed)
+  seq = []
+  for i, finite in enumerate(PATTERN):
+    g = [rng.normal(size=s).astype(np.float32) * 2.0**9 for s in SHAPES]
+    if not finite:
+      g[i % len(SHAPES)].flat[0] = [np.inf, np.nan, -np.inf][i % 3]
+    seq.append(g)
+  return seq
+
+
+def _keras_trace(keras, kwargs, grads_seq, params0, lr):
+  variables = [keras.Variable(np.asarray(p)) for p in params0]
+  opt = keras.optimizers.LossScaleOptimizer(
+    keras.optimizers.SGD(learning_rate=lr, **kwargs),
+    initial_scale=2.0**8,
+    dynamic_growth_steps=3,
+  )
+  opt.build(variables)
+  names = [v.path for v in opt.variables]
+  opt_vars = [v.value for v in opt.variables]
+  train_vars = [v.value for v in variables]
+  apply = jax.jit(opt.stateless_apply)
+  trace = []
+  for grads in grads_seq:
+    train_vars, opt_vars = apply(opt_vars, [jnp.asarray(g) for g in grads], train_vars)
+    named = dict(zip(names, opt_vars, strict=True))
+    averages = [np.asarray(v) for n, v in named.items() if n.endswith("_average")]
+    trace.append(
+      (
+        float(next(v for n, v in named.items() if n.endswith("/dynamic_scale"))),
+        [np.asarray(t) for t in train_vars],
+        averages,
+      )
+    )
+  return trace
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    {},
+    {"clipnorm": 0.5},
+    {"clipvalue": 0.3},
+    {"global_clipnorm": 0.5},
+    {"weight_decay": 0.1},
+    {"use_ema": True, "ema_momentum": 0.75},
+    {"use_ema": True, "ema_momentum": 0.5, "ema_overwrite_frequency": 4},
+    {"gradient_accumulation_steps": 3},
+    {"gradient_accumulation_steps": 2, "global_clipnorm": 0.5, "weight_decay": 0.1},
+  ],
+  ids=lambda k: ",".join(k) or "plain",
+)
+def test_base_kwargs_match_keras(kwargs):
+  keras = pytest.importorskip("keras")
+  lr = 0.25
+  rng = np.random.default_rng(1)
+  params0 = [rng.normal(size=s).astype(np.float32) for s in SHAPES]
+  grads_seq = _grad_sequence(7)
+  expected = _keras_trace(keras, kwargs, grads_seq, params0, lr)
+
+  opt = ols.LossScaleOptimizer(
+    {"class_name": "sgd", "config": {"learning_rate": lr}},
+    initial_scale=2.0**8,
+    dynamic_growth_steps=3,
+    **kwargs,
+  )
+  params = [jnp.asarray(p) for p in params0]
+  state = opt.init(params)
+
+  @jax.jit
+  def step(grads, state, params):
+    updates, state = opt.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  def check(ours, theirs, i):
+    # Not bit for bit: XLA contracts `a * b + c` into an FMA in one program
+    # and not in the other (clipping factors, EMA momenta and averages are not
+    # powers of two), and Keras decays the variable and then applies the step
+    # (two roundings of the parameter) where an optax update is one addition.
+    # Each costs at most an ulp of the parameters per step; a wrong order of
+    # operations (clipping scaled gradients, decaying after the step, a late
+    # EMA) is off by orders of magnitude more.
+    atol = (i + 1) * np.spacing(np.abs(theirs).max())
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=atol, err_msg=f"step {i}")
+
+  for i, (grads, (k_scale, k_params, k_avg)) in enumerate(
+    zip(grads_seq, expected, strict=True)
+  ):
+    params, state = step([jnp.asarray(g) for g in grads], state, params)
+    assert float(opt.loss_scale(state)) == k_scale, i
+    for ours, theirs in zip(params, k_params, strict=True):
+      check(np.asarray(ours), theirs, i)
+    if kwargs.get("use_ema"):
+      averages = opt.finalize_variable_values(params, state)
+      for ours, theirs in zip(averages, k_avg, strict=True):
+        check(np.asarray(ours), theirs, i)
