@@ -1,0 +1,304 @@
+"""Loss scaling composed with the rest of optax (README "Composing with optax")."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+# optax's schedules, adam, inject_hyperparams and MultiSteps use `float ** int`
+# and mixed-width arithmetic.
+pytestmark = pytest.mark.standard_promotion
+
+SCALE = 2.0**10
+
+
+def _params(dtype=jnp.float32):
+  return {
+    "w": (jnp.arange(6, dtype=jnp.float32).reshape(2, 3) / 10 - 0.2).astype(dtype),
+    "b": jnp.ones((3,), dtype),
+  }
+
+
+def _grads(params, value, scale=1.0):
+  return jax.tree.map(lambda p: jnp.full_like(p, value * scale), params)
+
+
+def _poison(grads, bad=jnp.nan):
+  return {**grads, "w": grads["w"].at[0, 1].set(bad)}
+
+
+# --------------------------------------------------------------------------
+# optax.chain: clipping inside the wrapper sees unscaled gradients.
+# --------------------------------------------------------------------------
+
+
+def test_clipping_inside_the_wrapper_sees_unscaled_gradients():
+  params = _params()
+  true_grads = _grads(params, 3.0)
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+  right = ols.dynamic_loss_scale(inner, initial_scale=SCALE)
+  updates, _ = jax.jit(right.update)(
+    _grads(params, 3.0, SCALE), right.init(params), params
+  )
+  expected, _ = inner.update(true_grads, inner.init(params), params)
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+  assert float(optax.tree.norm(updates)) == pytest.approx(1.0, rel=1e-6)
+
+  # The wrong order, clipping outside the wrapper, clips the *scaled*
+  # gradients: the step comes out `SCALE` times too small.
+  wrong = optax.chain(
+    optax.clip_by_global_norm(1.0),
+    ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=SCALE),
+  )
+  wrong_updates, _ = wrong.update(
+    _grads(params, 3.0, SCALE), wrong.init(params), params
+  )
+  assert float(optax.tree.norm(wrong_updates)) == pytest.approx(1.0 / SCALE, rel=1e-5)
+
+
+# --------------------------------------------------------------------------
+# optax.MultiSteps, both nestings.
+# --------------------------------------------------------------------------
+
+K = 3
+
+
+def _run(tx, grads_seq, params):
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  out = []
+  for g in grads_seq:
+    scale = float(ols.get_scale(state))
+    updates, state = step(g, state, params)
+    out.append((scale, updates, state))
+  return out
+
+
+def test_multisteps_inside_the_scale_drops_only_the_bad_micro_batch():
+  """``dynamic_loss_scale(MultiSteps(inner, k))``: the recommended nesting."""
+  params = _params()
+  tx = ols.dynamic_loss_scale(
+    optax.MultiSteps(optax.sgd(1.0), K), initial_scale=SCALE, growth_interval=2
+  )
+  values = [1.0, 2.0, None, 4.0, 8.0, 16.0, 32.0]  # None: a non-finite micro-batch
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  scales, updates_seq, mini_steps = [], [], []
+  for v in values:
+    scale = ols.get_scale(state)  # the scale the micro-batch is computed with
+    scales.append(float(scale))
+    g = _grads(params, 1.0 if v is None else v, float(scale))
+    if v is None:
+      g = _poison(g)
+    updates, state = step(g, state, params)
+    updates_seq.append(updates)
+    mini_steps.append(int(state.inner_state.mini_step))
+
+  # The bad micro-batch is skipped alone: the window does not advance
+  # (mini_step stays at 2) and still collects K finite micro-batches.
+  assert mini_steps == [1, 2, 2, 0, 1, 2, 0]
+  # The scale reacts at once, mid-window: grown after 2 finite steps, backed
+  # off by the bad one, grown again. Each micro-batch is unscaled with the
+  # scale that produced it, so the window's mean is exact all the same.
+  assert scales == [SCALE, SCALE, 2 * SCALE, SCALE, SCALE, 2 * SCALE, 2 * SCALE]
+  expected_first = -(1.0 + 2.0 + 4.0) / 3
+  expected_second = -(8.0 + 16.0 + 32.0) / 3
+  for i, u in enumerate(updates_seq):
+    want = {3: expected_first, 6: expected_second}.get(i, 0.0)
+    chex.assert_trees_all_close(u, _grads(params, want), rtol=1e-6)
+  assert int(state.skipped_steps) == 1
+
+
+def test_multisteps_outside_the_scale_fixes_the_scale_per_window():
+  """``MultiSteps(dynamic_loss_scale(inner), k)``: the scale is fixed per window.
+
+  And why this nesting is the wrong one: a non-finite micro-batch poisons its
+  window *and every later one*, because MultiSteps resets its accumulator by
+  multiplying it with 0, and ``0 * nan`` is ``nan``.
+  """
+  params = _params()
+  tx = optax.MultiSteps(
+    ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=SCALE, growth_interval=1), K
+  )
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  scales, applied = [], []
+  values = [1.0, 2.0, 4.0, 1.0, None, 4.0, 8.0, 16.0, 32.0]
+  for v in values:
+    scale = float(ols.get_scale(state))
+    scales.append(scale)
+    g = _grads(params, 1.0 if v is None else v, scale)
+    if v is None:
+      g = _poison(g)
+    updates, state = step(g, state, params)
+    applied.append(float(updates["b"][0]))
+
+  # The loss-scale state lives inside MultiSteps and only moves at a window's
+  # end: the scale is fixed within each window (all micro-batches of a window
+  # are scaled alike, so accumulating scaled gradients is consistent).
+  assert scales == [SCALE] * 3 + [2 * SCALE] * 3 + [SCALE] * 3
+  # Window 1 applies. Window 2 holds a NaN micro-batch: its mean is NaN, the
+  # window is skipped and the scale backs off. Window 3 is all finite and is
+  # skipped as well: the NaN stayed in the accumulator.
+  assert applied == pytest.approx([0, 0, -7 / 3] + [0] * 6)
+  assert int(ols.find_loss_scale_state(state).skipped_steps) == 2
+  assert np.isnan(np.asarray(state.acc_grads["w"])).any()
+
+
+def _to_float32():
+  """Returns float32 updates for any gradients (e.g. a float32 master copy)."""
+  return optax.stateless(
+    lambda u, p=None: jax.tree.map(lambda x: x.astype(jnp.float32), u)
+  )
+
+
+@pytest.mark.parametrize("nesting", ["scale(MultiSteps)", "MultiSteps(scale)"])
+def test_multisteps_keeps_dtypes_on_every_branch(nesting):
+  """bfloat16 params, float32 updates: skip/apply and mid/end of window."""
+  params = _params(jnp.bfloat16)
+  inner = optax.chain(optax.sgd(0.5), _to_float32())
+  if nesting == "scale(MultiSteps)":
+    tx = ols.dynamic_loss_scale(optax.MultiSteps(inner, 2), initial_scale=SCALE)
+  else:
+    tx = optax.MultiSteps(ols.dynamic_loss_scale(inner, initial_scale=SCALE), 2)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  good = _grads(params, 0.5, SCALE)
+  for g in [good, _poison(good), good, good, _poison(good), good]:
+    updates, new_state = step(g, state, params)
+    chex.assert_trees_all_equal_dtypes(
+      updates, jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    )
+    chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
+    state = new_state
+
+
+# --------------------------------------------------------------------------
+# inject_hyperparams and schedules.
+# --------------------------------------------------------------------------
+
+
+def test_inject_hyperparams_learning_rate_readable_and_changeable():
+  params = _params()
+  tx = ols.dynamic_loss_scale(
+    optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), initial_scale=SCALE
+  )
+  state = tx.init(params)
+  assert float(ols.get_learning_rate(state)) == pytest.approx(0.1)
+  state = jax.jit(ols.set_learning_rate)(state, 0.25)
+  updates, state = jax.jit(tx.update)(_grads(params, 2.0, SCALE), state, params)
+  chex.assert_trees_all_close(updates, _grads(params, -0.5))
+  assert float(ols.get_learning_rate(state)) == 0.25
+
+
+def test_loss_scale_inside_inject_hyperparams():
+  """The other nesting works too: only the learning rate is injected."""
+  params = _params()
+  tx = optax.inject_hyperparams(
+    lambda learning_rate: ols.dynamic_loss_scale(
+      optax.sgd(learning_rate), initial_scale=SCALE
+    )
+  )(learning_rate=0.1)
+  state = tx.init(params)
+  assert float(ols.get_scale(state)) == SCALE
+  state.hyperparams["learning_rate"] = jnp.asarray(0.5)
+  updates, state = tx.update(_grads(params, 2.0, SCALE), state, params)
+  chex.assert_trees_all_close(updates, _grads(params, -1.0))
+  _, state = tx.update(_poison(_grads(params, 2.0, SCALE)), state, params)
+  assert float(ols.get_scale(state)) == SCALE / 2
+
+
+def test_skipped_steps_do_not_advance_schedules():
+  params = _params()
+  schedule = optax.linear_schedule(1.0, 0.0, transition_steps=4)
+  tx = ols.dynamic_loss_scale(optax.adam(schedule), initial_scale=SCALE)
+  ref = optax.adam(schedule)
+  state, ref_state = tx.init(params), ref.init(params)
+  p, ref_p = params, params
+  step = jax.jit(tx.update)
+  sequence = [1.0, None, None, 2.0, None, 3.0]
+  for v in sequence:
+    scale = float(ols.get_scale(state))
+    g = _grads(params, 1.0 if v is None else v, scale)
+    if v is None:
+      g = _poison(g, jnp.inf)
+    updates, state = step(g, state, p)
+    p = optax.apply_updates(p, updates)
+    if v is not None:
+      ref_updates, ref_state = ref.update(_grads(params, v), ref_state, ref_p)
+      ref_p = optax.apply_updates(ref_p, ref_updates)
+  counts = [int(c) for c in jax.tree.leaves(state.inner_state) if c.dtype == jnp.int32]
+  assert counts and all(c == 3 for c in counts)  # 3 applied steps, not 6
+  chex.assert_trees_all_close(p, ref_p, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# masked / multi_transform: MaskedNode leaves.
+# --------------------------------------------------------------------------
+
+
+def test_masked_inside_the_scale():
+  params = _params()
+  tx = ols.dynamic_loss_scale(
+    optax.masked(optax.sgd(1.0), {"w": True, "b": False}), initial_scale=SCALE
+  )
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(_grads(params, 2.0, SCALE), state, params)
+  chex.assert_trees_all_close(updates["w"], jnp.full((2, 3), -2.0))
+  # Masked-out leaves pass through: unscaled, not updated by sgd.
+  chex.assert_trees_all_close(updates["b"], jnp.full((3,), 2.0))
+  # The loss scale checks every leaf, masked out or not.
+  bad = _grads(params, 2.0, SCALE)
+  bad["b"] = bad["b"].at[0].set(jnp.nan)
+  _, state = tx.update(bad, state, params)
+  assert int(state.skipped_steps) == 1
+
+
+def test_scale_inside_masked_sees_masked_nodes():
+  """``masked(dynamic_loss_scale(...))``: the inner state holds MaskedNode leaves."""
+  params = _params()
+  tx = optax.masked(
+    ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=SCALE), {"w": True, "b": False}
+  )
+  state = jax.jit(tx.init)(params)
+  assert float(ols.get_scale(state)) == SCALE
+  updates, state = jax.jit(tx.update)(_grads(params, 2.0, SCALE), state, params)
+  chex.assert_trees_all_close(updates["w"], jnp.full((2, 3), -2.0))
+  _, state = jax.jit(tx.update)(_poison(_grads(params, 2.0, SCALE)), state, params)
+  assert float(ols.get_scale(state)) == SCALE / 2
+
+
+def test_multi_transform_inside_the_scale():
+  params = _params()
+  tx = ols.dynamic_loss_scale(
+    optax.multi_transform(
+      {"fast": optax.sgd(1.0), "frozen": optax.set_to_zero()},
+      {"w": "fast", "b": "frozen"},
+    ),
+    initial_scale=SCALE,
+  )
+  state = tx.init(params)
+  updates, state = jax.jit(tx.update)(_grads(params, 2.0, SCALE), state, params)
+  chex.assert_trees_all_close(updates, {"w": jnp.full((2, 3), -2.0), "b": jnp.zeros(3)})
+  updates, state = jax.jit(tx.update)(
+    _poison(_grads(params, 2.0, SCALE)), state, params
+  )
+  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.zeros_like, params))
+  assert float(ols.get_scale(state)) == SCALE / 2
+
+
+def test_two_scales_in_multi_transform_is_an_error_for_get_scale():
+  params = _params()
+  tx = optax.multi_transform(
+    {
+      "a": ols.dynamic_loss_scale(optax.sgd(1.0)),
+      "b": ols.dynamic_loss_scale(optax.sgd(1.0)),
+    },
+    {"w": "a", "b": "b"},
+  )
+  with pytest.raises(ValueError, match="Found 2 loss-scale state"):
+    ols.get_scale(tx.init(params))
