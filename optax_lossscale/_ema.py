@@ -32,7 +32,7 @@ class EmaParamsState(NamedTuple):
 def _ema_dtype(x: jax.Array) -> Any:
   # An average of half-precision weights with momentum 0.99 cannot move in
   # half precision (the increments are below its resolution): keep float32.
-  return jnp.promote_types(x.dtype, jnp.float32)
+  return jnp.float32 if jnp.finfo(x.dtype).bits < 32 else x.dtype
 
 
 def ema_params(

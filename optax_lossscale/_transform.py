@@ -317,9 +317,12 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState | _core.LossScale:
 
 def _array(x: Any) -> Any:
   """``x``, or the array an ``nnx`` variable holds."""
-  if _core.is_array(x) or not hasattr(x, "value"):
+  if _core.is_array(x):
     return x
-  return x.value
+  get_value = getattr(x, "get_value", None)  # nnx.Variable (Flax >= 0.12)
+  if callable(get_value):
+    return get_value()
+  return getattr(x, "value", x)
 
 
 def _counters(opt_state: Any) -> _core.Counters:
@@ -372,24 +375,29 @@ def value_and_grad(
     :func:`get_scale` accepts.
   """
 
-  def scaled_fun(scale, *args, **kwargs):
+  def wrapper(opt_state, *args, **kwargs):
+    scaled = scaled_loss_fn(fun, get_scale(opt_state), has_aux)
+    (_, out), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(*args, **kwargs)
+    return out, grads
+
+  return wrapper
+
+
+def scaled_loss_fn(
+  fun: Callable[..., Any], scale: jax.Array, has_aux: bool
+) -> Callable[..., Any]:
+  """``fun`` returning ``(loss * scale, fun's own output)``, for ``has_aux`` grads.
+
+  The one place where a loss function is scaled: :func:`value_and_grad` and
+  the Flax helpers differentiate its first output.
+  """
+
+  def scaled(*args, **kwargs):
     out = fun(*args, **kwargs)
     loss = out[0] if has_aux else out
     return _core.scale_value(loss, scale), out
 
-  def wrapper(opt_state, *args, **kwargs):
-    scale = get_scale(opt_state)
-    # `scale` is prepended: shift non-negative argnums by one.
-    shift = lambda a: a + 1 if a >= 0 else a  # noqa: E731
-    argnums_ = (
-      shift(argnums) if isinstance(argnums, int) else tuple(shift(a) for a in argnums)
-    )
-    (_, out), grads = jax.value_and_grad(scaled_fun, argnums_, has_aux=True)(
-      scale, *args, **kwargs
-    )
-    return out, grads
-
-  return wrapper
+  return scaled
 
 
 # --------------------------------------------------------------------------

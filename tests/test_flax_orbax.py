@@ -1,0 +1,174 @@
+"""Flax Linen TrainState, Flax NNX nnx.Optimizer, Orbax checkpoints."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+flax = pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+from optax_lossscale.flax import LossScaleTrainState, nnx_value_and_grad  # noqa: E402
+
+pytestmark = pytest.mark.standard_promotion  # Flax layers
+ROOT = Path(__file__).resolve().parents[1]
+SCALE = 2.0**8
+
+
+class _Linen(flax.linen.Module):
+  @flax.linen.compact
+  def __call__(self, x):
+    return flax.linen.Dense(2, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+
+
+def _linen_state(tx):
+  model = _Linen()
+  params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+  return model, LossScaleTrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def _loss(model, params, x):
+  return jnp.mean(model.apply({"params": params}, x).astype(jnp.float32) ** 2)
+
+
+def test_linen_train_state_applies_skips_and_counts():
+  model, state = _linen_state(
+    ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=SCALE)
+  )
+  x = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, x):
+    loss, grads = state.value_and_grad(lambda p: _loss(model, p, x))(state.params)
+    return state.apply_gradients(grads=grads), loss, grads
+
+  new, loss, grads = step(state, x)
+  plain = jax.grad(lambda p: _loss(model, p, x))(state.params)
+  chex.assert_trees_all_close(
+    grads, jax.tree.map(lambda g: g * SCALE, plain), rtol=2e-3
+  )
+  assert float(loss) == pytest.approx(float(_loss(model, state.params, x)))
+  assert int(new.step) == 1 and float(new.loss_scale) == SCALE
+  assert int(new.diagnostics["good_steps"]) == 1
+
+  skipped, _, _ = step(new, x.at[0, 0].set(jnp.nan))
+  assert int(skipped.step) == 1  # a skipped step does not count
+  chex.assert_trees_all_equal(skipped.params, new.params)
+  assert float(skipped.loss_scale) == SCALE / 2
+  assert bool(skipped.diagnostics["last_step_skipped"])
+  assert skipped.step.dtype == jnp.int32 == state.step.dtype
+
+
+def test_linen_train_state_needs_a_loss_scale():
+  with pytest.raises(ValueError, match="No loss-scale state"):
+    _linen_state(optax.sgd(0.1))
+
+
+class _Nnx(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(
+      3, 2, dtype=jnp.float16, param_dtype=jnp.float32, rngs=rngs
+    )
+
+  def __call__(self, x):
+    return self.linear(x)
+
+
+def test_nnx_optimizer_with_loss_scale():
+  model = _Nnx(nnx.Rngs(0))
+  ref = nnx.clone(model)
+  optimizer = nnx.Optimizer(
+    model, ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=SCALE), wrt=nnx.Param
+  )
+  assert float(ols.get_scale(optimizer)) == SCALE
+  loss_fn = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    loss, grads = nnx_value_and_grad(loss_fn)(optimizer, model, x)
+    optimizer.update(model, grads)
+    return loss, grads, ols.diagnostics(optimizer)
+
+  x = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
+  loss, grads, diag = step(model, optimizer, x)
+  plain = nnx.grad(loss_fn)(ref, x)
+  chex.assert_trees_all_close(
+    nnx.state(grads), jax.tree.map(lambda g: g * SCALE, nnx.state(plain)), rtol=2e-3
+  )
+  assert float(loss) == pytest.approx(float(loss_fn(ref, x)))
+  assert int(diag["good_steps"]) == 1 and not bool(diag["last_step_skipped"])
+  # The applied step is sgd on the unscaled gradients.
+  unscaled = ols.unscale(nnx.state(grads, nnx.Param), jnp.float32(SCALE))
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(ref, nnx.Param), unscaled)
+  chex.assert_trees_all_close(nnx.state(model, nnx.Param), expected, rtol=1e-6)
+
+  before = jax.tree.map(jnp.copy, nnx.state(model, nnx.Param))
+  _, _, diag = step(model, optimizer, x.at[0, 0].set(jnp.inf))
+  chex.assert_trees_all_equal(nnx.state(model, nnx.Param), before)
+  assert (
+    bool(diag["last_step_skipped"]) and float(ols.get_scale(optimizer)) == SCALE / 2
+  )
+  assert int(optimizer.step[...]) == 2  # nnx counts update calls
+
+
+def _run(args, timeout=600):
+  return subprocess.run(
+    [sys.executable, *map(str, args)],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    check=True,
+    cwd=ROOT / "examples",
+  )
+
+
+@pytest.mark.slow
+def test_orbax_restore_in_a_new_process_is_bit_identical(tmp_path):
+  pytest.importorskip("orbax.checkpoint")
+  script = ROOT / "examples" / "orbax_resume.py"
+  common = ["--steps", 40, "--nan-at", "5,21,22"]
+  a, b = tmp_path / "uninterrupted.npz", tmp_path / "resumed.npz"
+  out_a = _run(
+    [script, *common, "--save-at", 20, "--ckpt", tmp_path / "ckpt", "--final", a]
+  )
+  out_b = _run([script, *common, "--resume", tmp_path / "ckpt" / "20", "--final", b])
+  assert "saved step 20" in out_a.stdout and "restored step 20" in out_b.stdout
+  fa, fb = np.load(a), np.load(b)
+  assert sorted(fa.files) == sorted(fb.files)
+  assert any("loss_scale" in k for k in fa.files)
+  for k in fa.files:
+    assert fa[k].dtype == fb[k].dtype, k
+    np.testing.assert_array_equal(fa[k], fb[k], err_msg=k)
+  # The run skipped the three NaN steps, on both sides of the checkpoint.
+  skipped = [k for k in fa.files if k.endswith(".skipped_steps")]
+  assert len(skipped) == 1 and int(fa[skipped[0]]) == 3
+  step = [k for k in fa.files if k.endswith(".step")]
+  assert int(fa[step[0]]) == 37
+
+  # A restore that went wrong (a fresh run from step 20) would differ.
+  c = tmp_path / "fresh.npz"
+  _run([script, "--steps", 20, "--nan-at", "", "--final", c])
+  assert not np.array_equal(np.load(c)[step[0]], fb[step[0]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["flax_linen.py", "flax_nnx.py"])
+def test_flax_examples(name):
+  out = _run([ROOT / "examples" / name, "--steps", 200]).stdout
+  acc = [
+    float(w)
+    for line in out.splitlines()
+    if line.startswith("test accuracy")
+    for w in line.split()[2:3]
+  ]
+  assert acc and acc[0] > 0.8, out
+  assert "skipped" in out and "final scale" in out
