@@ -73,6 +73,24 @@ def _as_int(name: str, value: Any) -> int:
   return int(value)
 
 
+def _float_in(name: str, value: Any, lo: float, hi: float) -> float:
+  out = _as_float(name, value)
+  if not lo <= out <= hi:
+    raise ValueError(f"`{name}` must be in [{lo}, {hi}], got {value!r}.")
+  return out
+
+
+def _optional_int_at_least(name: str, value: Any, minimum: int) -> int | None:
+  if value is None:
+    return None
+  out = _as_int(name, value)
+  if out < minimum:
+    raise ValueError(
+      f"`{name}` must be an integer >= {minimum} or None, got {value!r}."
+    )
+  return out
+
+
 def _check_scale(name: str, value: Any) -> float:
   out = _as_float(name, value)
   lo, hi = SCALE_RANGE

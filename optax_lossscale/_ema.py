@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale import _core
-from optax_lossscale._transform import find_unique
+from optax_lossscale._transform import _optimizer_state, find_unique, unwrap_variables
 
 
 class EmaParamsState(NamedTuple):
@@ -75,16 +75,10 @@ def ema_params(
     >>> params["w"], ols.get_ema_params(state)["w"]  # 3, 2 -> ema 3, 2.5
     (Array([2.], dtype=float32), Array([2.5], dtype=float32))
   """
-  momentum = _core._as_float("momentum", momentum)
-  if not 0.0 <= momentum <= 1.0:
-    raise ValueError(f"`momentum` must be in [0, 1], got {momentum}.")
-  if overwrite_frequency is not None:
-    overwrite_frequency = _core._as_int("overwrite_frequency", overwrite_frequency)
-    if overwrite_frequency < 1:
-      raise ValueError(
-        f"`overwrite_frequency` must be an integer >= 1 or None, got "
-        f"{overwrite_frequency}."
-      )
+  momentum = _core._float_in("momentum", momentum, 0.0, 1.0)
+  overwrite_frequency = _core._optional_int_at_least(
+    "overwrite_frequency", overwrite_frequency, 1
+  )
 
   def init_fn(params):
     ema = jax.tree.map(
@@ -128,15 +122,14 @@ def get_ema_params(opt_state: Any) -> optax.Params:
   """The averaged parameters kept by the one :func:`ema_params` in ``opt_state``.
 
   Leaves are in at least float32; :func:`finalize_variable_values` casts them
-  to the parameters' dtypes.
+  to the parameters' dtypes. ``opt_state`` may also be a Flax ``TrainState``
+  or ``nnx.Optimizer``.
 
   Raises:
     ValueError: no :func:`ema_params` state in ``opt_state``, or several.
   """
-  state = find_unique(
-    getattr(opt_state, "opt_state", opt_state), _is_ema_state, "ema_params state"
-  )
-  return state.ema
+  state = find_unique(_optimizer_state(opt_state), _is_ema_state, "ema_params state")
+  return unwrap_variables(state.ema)
 
 
 def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Params:

@@ -289,28 +289,14 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       )
     if not isinstance(use_ema, bool):
       raise ValueError(f"`use_ema` must be a bool, got {use_ema!r}.")
-    ema_momentum = _core._as_float("ema_momentum", ema_momentum)
-    if not 0.0 <= ema_momentum <= 1.0:
-      raise ValueError(f"`ema_momentum` must be in [0, 1], got {ema_momentum}.")
-    if ema_overwrite_frequency is not None:
-      ema_overwrite_frequency = _core._as_int(
-        "ema_overwrite_frequency", ema_overwrite_frequency
-      )
-      if ema_overwrite_frequency < 1:
-        raise ValueError(
-          "`ema_overwrite_frequency` must be an integer >= 1 or None, got "
-          f"{ema_overwrite_frequency}."
-        )
+    ema_momentum = _core._float_in("ema_momentum", ema_momentum, 0.0, 1.0)
+    ema_overwrite_frequency = _core._optional_int_at_least(
+      "ema_overwrite_frequency", ema_overwrite_frequency, 1
+    )
     loss_scale_factor = _optional_positive("loss_scale_factor", loss_scale_factor)
-    if gradient_accumulation_steps is not None:
-      gradient_accumulation_steps = _core._as_int(
-        "gradient_accumulation_steps", gradient_accumulation_steps
-      )
-      if gradient_accumulation_steps < 2:
-        raise ValueError(
-          "`gradient_accumulation_steps` must be an integer >= 2 or None, got "
-          f"{gradient_accumulation_steps}."
-        )
+    gradient_accumulation_steps = _core._optional_int_at_least(
+      "gradient_accumulation_steps", gradient_accumulation_steps, 2
+    )
 
     # Build the chain, innermost first (the order is the docstring's).
     body = inner
@@ -361,6 +347,11 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   def __repr__(self):
     return f"{type(self).__name__}({self._config!r})"
+
+  def __reduce__(self):
+    # copy/deepcopy (and pickle, when the inner optimizer is given by name)
+    # rebuild from the configuration, not from the (init, update) pair.
+    return (type(self).from_config, (self.get_config(),))
 
   # -- configuration -------------------------------------------------------
 

@@ -325,6 +325,15 @@ def _array(x: Any) -> Any:
   return getattr(x, "value", x)
 
 
+def _is_variable(x: Any) -> bool:
+  return not _core.is_array(x) and callable(getattr(x, "get_value", None))
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with ``nnx`` variables replaced by the arrays they hold."""
+  return jax.tree.map(_array, tree, is_leaf=_is_variable)
+
+
 def _counters(opt_state: Any) -> _core.Counters:
   found = find_loss_scale_state(opt_state)
   fields = found.counters if isinstance(found, _core.LossScale) else _counters_of(found)

@@ -172,3 +172,29 @@ def test_flax_examples(name):
   ]
   assert acc and acc[0] > 0.8, out
   assert "skipped" in out and "final scale" in out
+
+
+def test_nnx_with_the_keras_facade_and_its_ema():
+  model = _Nnx(nnx.Rngs(0))
+  opt = ols.LossScaleOptimizer(
+    "sgd", initial_scale=SCALE, use_ema=True, ema_momentum=0.5
+  )
+  optimizer = nnx.Optimizer(model, opt, wrt=nnx.Param)
+  loss_fn = lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2)
+  x = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
+  history = []
+  for _ in range(3):
+    _, grads = nnx_value_and_grad(loss_fn)(optimizer, model, x)
+    optimizer.update(model, grads)
+    history.append(jax.tree.map(jnp.copy, nnx.as_pure(nnx.state(model, nnx.Param))))
+  expected = history[0]
+  for p in history[1:]:
+    expected = jax.tree.map(lambda e, q: 0.5 * e + 0.5 * q, expected, p)
+  averaged = opt.finalize_variable_values(
+    nnx.as_pure(nnx.state(model, nnx.Param)), optimizer
+  )
+  chex.assert_trees_all_close(averaged, expected, rtol=1e-6)
+  nnx.update(model, averaged)  # swap the averaged weights in
+  chex.assert_trees_all_close(
+    nnx.as_pure(nnx.state(model, nnx.Param)), expected, rtol=1e-6
+  )

@@ -418,3 +418,16 @@ def test_base_kwargs_match_keras(kwargs):
       averages = opt.finalize_variable_values(params, state)
       for ours, theirs in zip(averages, k_avg, strict=True):
         check(np.asarray(ours), theirs, i)
+
+
+def test_copy_and_pickle_rebuild_from_the_config():
+  import copy
+  import pickle
+
+  opt = ols.ExperimentalLossScaleOptimizer(
+    "adam", loss_scale=ols.DynamicLossScale(64.0)
+  )
+  for again in (copy.copy(opt), copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+    assert type(again) is ols.ExperimentalLossScaleOptimizer
+    assert again.get_config() == opt.get_config()
+    assert float(again.loss_scale(again.init(_params()))) == 64.0
