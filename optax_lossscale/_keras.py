@@ -104,7 +104,7 @@ def get_learning_rate(opt_state: Any) -> jax.Array:
   After a step it is the rate that step used (schedules included).
   """
   state = _transform._optimizer_state(opt_state)
-  return _learning_rate_node(state).hyperparams["learning_rate"]
+  return _transform._array(_learning_rate_node(state).hyperparams["learning_rate"])
 
 
 def set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
@@ -188,8 +188,10 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     inner_optimizer: an optax transformation, or a Keras-style optimizer name
       (``'sgd'``, ``'adam'``, …) or ``{'class_name': name, 'config':
       {...}}``, built with ``optax.inject_hyperparams`` and Keras' default
-      learning rate (0.01 for SGD, else 0.001). Names make ``get_config``
-      serialisable; a transformation appears in it as itself.
+      learning rate (0.01 for SGD, else 0.001); the other hyper-parameters
+      keep optax's defaults (Adam's ``eps`` is 1e-8 where Keras' is 1e-7:
+      pass it in ``config`` to match). Names make ``get_config`` serialisable;
+      a transformation appears in it as itself.
     initial_scale: the initial loss scale (the fixed one if not ``dynamic``).
     dynamic_growth_steps: finite steps in a row before the scale doubles.
     dynamic: dynamic loss scaling (default). ``False`` keeps

@@ -315,18 +315,14 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState | _core.LossScale:
     ) from None
 
 
+def _is_variable(x: Any) -> bool:
+  """An ``nnx.Variable`` (anything but an array with a ``get_value`` method)."""
+  return not _core.is_array(x) and callable(getattr(x, "get_value", None))
+
+
 def _array(x: Any) -> Any:
   """``x``, or the array an ``nnx`` variable holds."""
-  if _core.is_array(x):
-    return x
-  get_value = getattr(x, "get_value", None)  # nnx.Variable (Flax >= 0.12)
-  if callable(get_value):
-    return get_value()
-  return getattr(x, "value", x)
-
-
-def _is_variable(x: Any) -> bool:
-  return not _core.is_array(x) and callable(getattr(x, "get_value", None))
+  return x.get_value() if _is_variable(x) else x
 
 
 def unwrap_variables(tree: Any) -> Any:
