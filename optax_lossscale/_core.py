@@ -282,12 +282,44 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   return jax.tree.map(one, on_true, on_false)
 
 
+def _varying_axes(x: jax.Array) -> frozenset:
+  """The ``shard_map`` mesh axes along which ``x`` differs between devices.
+
+  ``shard_map`` (with its default ``check_vma=True``) types every value with
+  the manual axes it varies over; elsewhere (``jit``, ``pmap``, ``vmap``)
+  this is empty.
+  """
+  typeof = getattr(jax, "typeof", None)
+  aval = typeof(x) if typeof is not None else jax.core.get_aval(x)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.9
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))  # older JAX
+
+
 def reduce_flag(flag: jax.Array, axis_name: Any) -> jax.Array:
-  """ANDs a boolean flag across a named axis (pmap, shard_map, vmap)."""
-  if axis_name is None:
-    return flag
-  any_bad = lax.psum(jnp.logical_not(flag).astype(_I32), axis_name)
-  return any_bad == 0
+  """ANDs a boolean flag across a named axis (pmap, shard_map, vmap).
+
+  Inside ``shard_map``, a flag that still differs between devices after the
+  reduction (``axis_name`` missing, or not naming every axis the gradients
+  vary over) would let devices take different decisions and their loss
+  scales drift apart: that is a ``ValueError`` at trace time.
+  """
+  if axis_name is not None:
+    any_bad = lax.psum(jnp.logical_not(flag).astype(_I32), axis_name)
+    flag = any_bad == 0
+  varying = _varying_axes(flag)
+  if varying:
+    axes = ", ".join(repr(a) for a in sorted(varying, key=str))
+    raise ValueError(
+      "The gradients differ between devices along the shard_map mesh "
+      f"axis/axes {axes}, so each device would decide on its own whether to "
+      f"skip the step (axis_name={axis_name!r}). Pass axis_name= naming "
+      f"{'them' if len(varying) > 1 else 'it'} to the loss-scaled optimizer "
+      "so that the finite check is global (or, if every device should hold "
+      "the whole gradients, reduce them with lax.pmean before the update)."
+    )
+  return flag
 
 
 # --------------------------------------------------------------------------
