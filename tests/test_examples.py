@@ -46,3 +46,32 @@ def test_train_digits_example(tmp_path):
   assert float(rows["float16 + loss scale"][3]) >= 2.0**15
   png = tmp_path / "digits_loss_scale.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_data_parallel_example():
+  out = subprocess.run(
+    [
+      sys.executable,
+      str(ROOT / "examples" / "data_parallel.py"),
+      "--steps",
+      "30",
+      "--nan-at",
+      "5,6,20",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=True,  # exits 1 if the devices ever disagreed
+    cwd=ROOT / "examples",
+  ).stdout
+  assert out.startswith("8 devices"), out
+  steps = {}
+  for line in out.splitlines():
+    m = re.match(r"^\s*(\d+)\s+(\S+)\s+(\d+)\s+(yes|no)\b", line)
+    if m:
+      steps[int(m.group(1))] = (float(m.group(3)), m.group(4) == "yes")
+  assert sorted(steps) == list(range(30))
+  assert [s for s, (_, skipped) in steps.items() if skipped] == [5, 6, 20]
+  assert steps[5][0] == steps[4][0] / 2 and steps[6][0] == steps[4][0] / 4
+  assert "steps where the devices disagreed: 0" in out

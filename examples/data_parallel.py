@@ -1,0 +1,117 @@
+"""Data-parallel loss scaling over 8 (simulated) devices with sharded jit.
+
+The main example's MLP (float16 compute, float32 parameters) on scikit-learn's
+8x8 digits, the batch sharded over a mesh of 8 devices and the parameters
+and optimizer state replicated. At the ``--nan-at`` steps one device's shard
+of the batch gets a NaN: the finite check is a reduction over the global
+gradients, so every device skips that step and backs off its scale
+identically. Each step prints the scale every device holds and whether it
+skipped; the run ends with a check that all devices always agreed.
+
+Run:  python examples/data_parallel.py [--steps N] [--devices 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def parse(argv):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--steps", type=int, default=60)
+  parser.add_argument("--batch", type=int, default=128)
+  parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--nan-at", default="10,11,40")
+  parser.add_argument("--bad-device", type=int, default=3)
+  parser.add_argument("--growth-interval", type=int, default=8)
+  return parser.parse_args(argv)
+
+
+args = parse(sys.argv[1:]) if __name__ == "__main__" else None
+# Simulated CPU devices must be requested before JAX starts.
+if args is not None and "--xla_force_host_platform_device_count" not in os.environ.get(
+  "XLA_FLAGS", ""
+):
+  os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_force_host_platform_device_count={args.devices}"
+  )
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+from train_digits import MLP, load_data, loss_fn  # noqa: E402
+
+import optax_lossscale as ols  # noqa: E402
+
+
+def main(args):
+  n = args.devices
+  if jax.device_count() < n:
+    raise SystemExit(f"need {n} devices, have {jax.device_count()}")
+  if args.batch % n:
+    raise SystemExit(f"--batch must be a multiple of --devices ({n})")
+  nan_at = {int(s) for s in args.nan_at.split(",") if s}
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  replicated = NamedSharding(mesh, P())
+  sharded = NamedSharding(mesh, P("data"))
+
+  x_train, x_test, y_train, y_test = load_data(0)
+  model = MLP(dtype=jnp.float16)
+  params = model.init(jax.random.key(0), x_train[:1])["params"]
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3), growth_interval=args.growth_interval)
+  params = jax.device_put(params, replicated)
+  opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    loss, grads = ols.value_and_grad(lambda p: loss_fn(model, p, x, y))(
+      opt_state, params
+    )
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  def on_each_device(x):
+    return [np.asarray(s.data).item() for s in x.addressable_shards]
+
+  rng = np.random.default_rng(0)
+  rows = args.batch // n
+  print(f"{n} devices, global batch {args.batch} ({rows} rows per device)")
+  print(f"{'step':>5} {'loss':>8} {'scale (all devices)':>20} {'skipped':>8}")
+  disagreements = 0
+  for i in range(args.steps):
+    idx = rng.integers(0, len(x_train), args.batch)
+    x, y = x_train[idx], y_train[idx]
+    if i in nan_at:  # a NaN in the rows that --bad-device holds
+      x = x.copy()
+      x[args.bad_device * rows, 0] = np.nan
+    x, y = jax.device_put(x, sharded), jax.device_put(y, sharded)
+    params, opt_state, loss = step(params, opt_state, x, y)
+    scales = on_each_device(opt_state.loss_scale)
+    skipped = on_each_device(opt_state.consecutive_skips > 0)
+    agree = len(set(scales)) == 1 and len(set(skipped)) == 1
+    disagreements += not agree
+    note = f"  <- NaN on device {args.bad_device}" if i in nan_at else ""
+    print(
+      f"{i:>5} {float(loss):>8.4f} {scales[0]:>20.0f} "
+      f"{'yes' if skipped[0] else 'no':>8}{'' if agree else '  DISAGREE'}{note}"
+    )
+
+  logits = model.apply({"params": params}, x_test).astype(jnp.float32)
+  acc = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
+  d = jax.device_get(ols.diagnostics(opt_state))
+  print(
+    f"skipped {int(d['skipped_steps'])} of {args.steps} steps; final scale "
+    f"{float(d['loss_scale']):.0f}; test accuracy {acc:.3f}; steps where the "
+    f"devices disagreed: {disagreements}"
+  )
+  return disagreements
+
+
+if __name__ == "__main__":
+  raise SystemExit(1 if main(args) else 0)
