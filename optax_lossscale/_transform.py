@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -9,8 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 
 from optax_lossscale import _core
+
+try:  # the jaxpr types, for evaluating an update's jaxpr
+  from jax.extend.core import DropVar, Literal, Var
+except ImportError:  # older JAX
+  from jax.core import DropVar, Literal, Var
 
 
 class LossScaleState(NamedTuple):
@@ -62,6 +69,110 @@ def _check_grads_match(grads: Any, params: Any) -> None:
       )
 
   jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
+
+
+def _update_on_selected_state(
+  inner: optax.GradientTransformationExtraArgs,
+  should_apply: jax.Array,
+  grads: Any,
+  inner_state: Any,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> tuple[Any, Any]:
+  """``inner.update``, skipped unless ``should_apply``, at the cost of one pass.
+
+  Returns ``(updates, new_state)`` where ``new_state`` is ``inner``'s new
+  state if ``should_apply`` else ``inner_state``, and ``updates`` are
+  ``inner``'s updates if ``should_apply`` (garbage otherwise: the caller
+  zeroes them).
+
+  The obvious ``select(ok, new_state, old_state)`` after the update is
+  correct but costly when buffers are donated: the updates read the
+  *unselected* new state (Adam's new moments), so the compiler recomputes it
+  from the old state in the kernel that writes the updates, while the kernel
+  that writes the selected state overwrites the old state in place; XLA then
+  copies the whole old state first (measured in BENCHMARKS.md: 1.6x the
+  bytes of plain Adam). Here the update's jaxpr is evaluated with each new
+  state leaf replaced, *where it is computed*, by its select against the old
+  leaf, so that everything downstream, the updates included, reads the
+  selected state: when ``should_apply`` this changes nothing, and when not,
+  only the updates change, which the caller discards. Then the kernels have
+  plain Adam's shape (state updated in place, parameters reading it) plus
+  one scalar predicate.
+  """
+  leaves, treedef = jax.tree.flatten((grads, inner_state, params, extra_args))
+  n_grads = len(jax.tree.leaves(grads))
+  n_state = len(jax.tree.leaves(inner_state))
+  if not all(_core.is_array(x) for x in leaves):
+    # Static extra arguments (e.g. a linesearch's value_fn): select after.
+    updates, new_state = inner.update(grads, inner_state, params, **extra_args)
+    return updates, _core.select_tree(should_apply, new_state, inner_state)
+
+  def flat_update(*flat):
+    g, st, p, extra = jax.tree.unflatten(treedef, flat)
+    return inner.update(g, st, p, **extra)
+
+  closed, (updates_shape, state_shape) = jax.make_jaxpr(flat_update, return_shape=True)(
+    *leaves
+  )
+  jaxpr = closed.jaxpr
+  old_state = leaves[n_grads : n_grads + n_state]
+  n_updates = len(jax.tree.leaves(updates_shape))
+  state_outvars = jaxpr.outvars[n_updates:]
+  if jax.tree.structure(state_shape) != jax.tree.structure(inner_state):
+    raise ValueError(
+      "The wrapped transformation returned a state of another structure than "
+      "the one it was given."
+    )
+
+  def select(new, old):
+    return lax.select(should_apply, new, jnp.asarray(old, new.dtype))
+
+  # Each equation output that is a new state leaf, with the leaf's index (the
+  # first one, should two leaves be the same value).
+  first_leaf: dict[Any, int] = {}
+  for i, var in enumerate(state_outvars):
+    if isinstance(var, Var) and var not in first_leaf:
+      first_leaf[var] = i
+
+  env: dict[Any, Any] = {}
+  unselected: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, closed.consts, strict=True):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, leaves, strict=True):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: list[Any] = []
+    if isinstance(bind_params, tuple):  # JAX < 0.7: (subfuns, params)
+      subfuns, bind_params = bind_params
+    context = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
+    with context:
+      out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
+    out = out if eqn.primitive.multiple_results else [out]
+    for v, x in zip(eqn.outvars, out, strict=True):
+      if isinstance(v, DropVar):
+        continue
+      if v in first_leaf:  # a new state leaf: selected where it is made
+        unselected[v] = x
+        x = select(x, old_state[first_leaf[v]])
+      env[v] = x
+  updates_flat = [read(v) for v in jaxpr.outvars[:n_updates]]
+  state_flat = []
+  for i, v in enumerate(state_outvars):
+    made_here = isinstance(v, Var) and v in unselected
+    if made_here and first_leaf[v] == i:
+      state_flat.append(env[v])  # already selected
+    else:  # passed through, a literal, or a repeated value
+      state_flat.append(select(unselected[v] if made_here else read(v), old_state[i]))
+  return (
+    jax.tree.unflatten(jax.tree.structure(updates_shape), updates_flat),
+    jax.tree.unflatten(jax.tree.structure(state_shape), state_flat),
+  )
 
 
 def with_loss_scale(
@@ -125,17 +236,21 @@ def with_loss_scale(
       )
     _check_grads_match(updates, params)
     scale = loss_scale.replace(_counters_of(state))
-    grads = scale.unscale(updates)
-    new_scale, should_apply = scale.update(grads, axis_name=axis_name)
-    new_updates, new_inner = inner.update(
-      grads, state.inner_state, params, **extra_args
+    grads, new_scale, should_apply = scale.unscale_and_update(
+      updates, axis_name=axis_name
     )
     if config.skip_nonfinite:
+      new_updates, new_inner = _update_on_selected_state(
+        inner, should_apply, grads, state.inner_state, params, extra_args
+      )
       zeros = jax.tree.map(
         lambda u: jnp.zeros_like(u) if _core.is_array(u) else u, new_updates
       )
       new_updates = _core.select_tree(should_apply, new_updates, zeros)
-      new_inner = _core.select_tree(should_apply, new_inner, state.inner_state)
+    else:
+      new_updates, new_inner = inner.update(
+        grads, state.inner_state, params, **extra_args
+      )
     return new_updates, LossScaleState(*new_scale.counters, inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

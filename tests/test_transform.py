@@ -390,3 +390,19 @@ def test_float16_underflow_is_rescued_by_the_scale():
   _, grads = ols.value_and_grad(f)(state, params)
   updates, _ = tx.update(grads, state, params)
   np.testing.assert_allclose(-float(updates["w"]), 1e-8, rtol=1e-3)
+
+
+def test_overflow_caused_by_unscaling_below_one_is_caught():
+  """Below 1, unscaling multiplies: a finite scaled gradient can become inf."""
+  params = {"w": jnp.zeros((3,))}
+  tx = ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**-8, min_scale=2.0**-10)
+  state = tx.init(params)
+  grads = {"w": jnp.array([1e37, 1.0, 1.0])}  # finite; 1e37 * 2**8 overflows
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  assert int(state.skipped_steps) == 1 and float(state.loss_scale) == 2.0**-9
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros((3,))})
+  # At or above 1 the check reads the scaled gradients: the same decision.
+  tx = ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=1.0)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert int(state.skipped_steps) == 0
+  chex.assert_trees_all_equal(updates, {"w": -grads["w"]})

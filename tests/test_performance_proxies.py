@@ -1,0 +1,156 @@
+"""The skip's jaxpr rewrite, and deterministic proxies of the step's cost.
+
+Wall time is measured in benchmarks/ (BENCHMARKS.md); here only what XLA
+reports deterministically: bytes accessed, temporary memory, copies and
+reductions in the compiled step.
+"""
+
+import re
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_lossscale as ols
+from optax_lossscale import _core, _transform
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam, schedules, ...
+
+
+def _params(n_leaves=4, size=48):
+  keys = jax.random.split(jax.random.key(0), n_leaves)
+  return {f"p{i}": jax.random.normal(k, (size,)) for i, k in enumerate(keys)}
+
+
+def _dup_and_passthrough():
+  """State leaves that are the same value twice, passed through, a literal."""
+
+  def init(params):
+    z = jax.tree.map(jnp.zeros_like, params)
+    return (z, z, jnp.zeros([], jnp.int32), jnp.ones([]))
+
+  def update(updates, state, params=None):
+    m = jax.tree.map(lambda a, g: 0.5 * a + g, state[0], updates)
+    return jax.tree.map(lambda x: -x, m), (m, m, state[2], jnp.ones([]))
+
+  return optax.GradientTransformation(init, update)
+
+
+INNERS = {
+  "adam": lambda: optax.adam(1e-2),
+  "sgd momentum": lambda: optax.sgd(0.1, momentum=0.9),
+  "chain clip adamw schedule": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
+  ),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(learning_rate=0.1),
+  "MultiSteps (lax.cond inside)": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+  "masked": lambda: optax.masked(optax.adam(1e-2), {"p0": True, "p1": False}),
+  "duplicated and passed-through state": _dup_and_passthrough,
+}
+
+
+@pytest.mark.parametrize("name", INNERS)
+@pytest.mark.parametrize("ok", [True, False])
+def test_selected_state_rewrite_equals_select_after(name, ok):
+  params = _params(2)
+  inner = optax.with_extra_args_support(INNERS[name]())
+  state = inner.init(params)
+  # A few steps first, so that the state is not all zeros.
+  for i in range(3):
+    g = jax.tree.map(lambda p, i=i: p * (i + 1) * 0.1, params)
+    _, state = inner.update(g, state, params)
+  grads = jax.tree.map(lambda p: p * 0.3, params)
+  pred = jnp.asarray(ok)
+
+  @jax.jit
+  def rewritten(grads, state, params):
+    return _transform._update_on_selected_state(inner, pred, grads, state, params, {})
+
+  @jax.jit
+  def plain(grads, state, params):
+    u, s = inner.update(grads, state, params)
+    return u, _core.select_tree(pred, s, state)
+
+  u1, s1 = rewritten(grads, state, params)
+  u2, s2 = plain(grads, state, params)
+  chex.assert_trees_all_equal(s1, s2)  # the state: always the same
+  chex.assert_trees_all_equal_structs(s1, state)
+  if ok:
+    chex.assert_trees_all_equal(u1, u2)
+  else:
+    chex.assert_trees_all_equal(s1, state)  # untouched on a skip
+
+
+def _compiled(tx, params, grads):
+  def step(carry, g):
+    p, s = carry
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  carry = (params, tx.init(params))
+  return jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
+
+
+def _bytes(compiled):
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return cost["bytes accessed"]
+
+
+def test_step_costs_one_extra_read_of_the_gradients():
+  """Bytes accessed: plain Adam + one read of the gradients (the finite check)."""
+  params = _params(16, 65536)
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  bare = _compiled(optax.adam(1e-3), params, grads)
+  ours = _compiled(ols.dynamic_loss_scale(optax.adam(1e-3)), params, grads)
+  grad_bytes = sum(g.nbytes for g in jax.tree.leaves(grads))
+  extra = _bytes(ours) - _bytes(bare)
+  assert extra <= 1.05 * grad_bytes, (extra, grad_bytes)
+  # No temporary copy of the parameters or of Adam's moments.
+  param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+  assert ours.memory_analysis().temp_size_in_bytes < 0.01 * param_bytes
+  hlo = ours.as_text()
+  big_copies = re.findall(r"= f32\[65536\]\{0\} copy\(", hlo)
+  assert not big_copies
+
+
+def test_the_plain_select_would_copy_the_state():
+  """The reason for the rewrite: selecting after the update copies the state."""
+  params = _params(16, 65536)
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  inner = optax.adam(1e-3)
+
+  def init(p):
+    return ols.LossScaleState(
+      *_core.initial_counters(_core.LossScaleConfig()), inner.init(p)
+    )
+
+  def update(g, state, p):
+    ok = _core.all_finite(g)
+    u, s = inner.update(g, state.inner_state, p)
+    u = _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
+    return u, state._replace(inner_state=_core.select_tree(ok, s, state.inner_state))
+
+  naive = _compiled(optax.GradientTransformation(init, update), params, grads)
+  param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+  assert naive.memory_analysis().temp_size_in_bytes >= param_bytes
+
+
+def test_finite_check_is_not_a_reduction_per_leaf():
+  sizes = [4096] * 200 + [128] * 40 + [7] * 3
+  tree = [jnp.ones((n,)) for n in sizes]
+  hlo = jax.jit(ols.all_finite).lower(tree).compile().as_text()
+  entry = hlo[hlo.index("ENTRY") :]
+  # The entry computation's reduction kernels (XLA CPU names them after the
+  # reduce, or after the library it hands them to).
+  pattern = r"^\s*(?:ROOT )?%\S*(?:reduce|ynn)\S* ="
+  reductions = len(re.findall(pattern, entry, re.M))
+  # One per group of up to FINITE_CHECK_CHUNK leaves of one size: 7 + 2 + 1.
+  chunk = _core.FINITE_CHECK_CHUNK
+  groups = -(-200 // chunk) + -(-40 // chunk) + 1
+  assert 1 <= reductions <= groups + 2, reductions
+  assert bool(ols.all_finite(tree))
+  tree[123] = tree[123].at[5].set(jnp.inf)
+  assert not bool(ols.all_finite(tree))
