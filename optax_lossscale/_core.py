@@ -230,8 +230,8 @@ def all_finite(tree: Any) -> jax.Array:
   NaN (no constant operand for the compiler to materialise), so a sum of
   them is NaN exactly when some entry is not finite, and it can never
   overflow (no ``min``/``max``, whose NaN handling compiler flags
-  such as XLA's fast-min-max can change). Leaves are grouped by size;
-  up to :data:`FINITE_CHECK_CHUNK` leaves of one size are added elementwise
+  such as XLA's fast-min-max can change). Leaves are grouped by size and
+  dtype; up to :data:`FINITE_CHECK_CHUNK` leaves of a group are added elementwise
   and reduced *together*: XLA fuses the additions into the reduction, so each
   gradient entry is read once and the check costs one reduction per group
   instead of one per leaf (with 4096 leaves, per-leaf reductions made XLA's
@@ -243,20 +243,22 @@ def all_finite(tree: Any) -> jax.Array:
   Returns:
     A scalar boolean array.
   """
-  by_size: dict[int, list[jax.Array]] = {}
+  # Grouped by size and dtype, summed in their own dtype: a sum of zeros is
+  # exact in any precision, and no array-sized conversion is needed (XLA
+  # would materialise it for the reduction). Only the scalars are converted.
+  groups: dict[tuple[int, Any], list[jax.Array]] = {}
   for x in jax.tree.leaves(tree):
     if _is_float_array(x):
-      x = jnp.ravel(x)
-      zero = _zero_if_finite(x)
-      by_size.setdefault(x.size, []).append(zero.astype(_F32))
+      zero = _zero_if_finite(jnp.ravel(x))
+      groups.setdefault((zero.size, zero.dtype), []).append(zero)
   partial = []
-  for zeros in by_size.values():
+  for zeros in groups.values():
     for i in range(0, len(zeros), FINITE_CHECK_CHUNK):
       chunk = zeros[i : i + FINITE_CHECK_CHUNK]
       total = chunk[0]
       for z in chunk[1:]:
         total = total + z
-      partial.append(jnp.sum(total))
+      partial.append(jnp.sum(total).astype(_F32))
   if not partial:
     return jnp.array(True)
   return jnp.isfinite(jnp.sum(jnp.stack(partial)))
