@@ -1,0 +1,753 @@
+"""Benchmarks of loss scaling: the update step against its peers, and more.
+
+One run measures, side by side, XLA's cost analysis ("bytes accessed" of the
+compiled step), the median wall time over ``--calls`` calls after warm-up
+(buffers donated, each call's outputs fed to the next) and XLA's temporary
+memory, for:
+
+* headline: the update step (optimizer update + apply) of
+  ``dynamic_loss_scale(optax.adam)`` on 8.4M float32 parameters in 64 leaves,
+  against bare ``optax.adam`` fed the same unscaled gradients,
+  ``optax.apply_if_finite``, jmp's ``DynamicLossScale`` + ``select_tree``,
+  Flax's ``DynamicScale`` and Keras 3's ``LossScaleOptimizer`` (JAX backend);
+* dtypes: float16 vs float32 parameters and gradients;
+* leaves: 1 to 4096 leaves at a fixed total size (compile and step time);
+* train steps: forward + backward + update of an MLP and of a small
+  transformer, loss-scaled vs not;
+* designs: the skip and the finite check as built vs the designs rejected
+  (select after the update, ``lax.cond``, checking unscaled gradients,
+  finiteness from a global norm), on finite and non-finite gradients;
+* finite: the finite check alone, one reduction per leaf vs ours, by leaves.
+
+Run:  python benchmarks/bench.py [--quick] [--out benchmarks/out]
+It prints Markdown tables (also written to OUT/tables.md), writes the raw
+numbers to OUT/results.json and the leaves sweep to OUT/leaves.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax import lax  # noqa: E402
+
+import optax_lossscale as ols  # noqa: E402
+from optax_lossscale import _core, _transform  # noqa: E402
+
+SCALE = 2.0**10
+LR = 1e-3
+
+
+# --------------------------------------------------------------------------
+# Measuring one compiled step.
+# --------------------------------------------------------------------------
+
+
+def measure(step, carry, grads, calls, warmup=3):
+  """Compiles ``step(carry, grads) -> carry`` with ``carry`` donated; times it.
+
+  ``carry`` is copied first: donation deletes the buffers it is given.
+  """
+  carry = jax.tree.map(jnp.copy, carry)
+  t0 = time.perf_counter()
+  compiled = jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
+  compile_s = time.perf_counter() - t0
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  mem = compiled.memory_analysis()
+  times = []
+  for i in range(warmup + calls):
+    t = time.perf_counter()
+    carry = compiled(carry, grads)
+    jax.block_until_ready(carry)
+    if i >= warmup:
+      times.append(time.perf_counter() - t)
+  return {
+    "bytes": float(cost["bytes accessed"]),
+    "median_s": statistics.median(times),
+    "compile_s": compile_s,
+    "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
+    "carry": carry,
+  }
+
+
+def layers(n_layers=16, width=512, dtype=jnp.float32):
+  """64 leaves, 8.4M parameters: the weights and biases of a 16-layer MLP."""
+  keys = jax.random.split(jax.random.key(0), 2 * n_layers)
+  params = {}
+  for i in range(n_layers):
+    params[f"layer{i:02d}"] = {
+      "w1": jax.random.normal(keys[2 * i], (width, width), dtype) / 32,
+      "b1": jnp.zeros((width,), dtype),
+      "w2": jax.random.normal(keys[2 * i + 1], (width, width), dtype) / 32,
+      "b2": jnp.zeros((width,), dtype),
+    }
+  return params
+
+
+def grads_like(params, seed=1):
+  leaves, treedef = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return treedef.unflatten(
+    [
+      jax.random.normal(k, x.shape, x.dtype) * 1e-3
+      for k, x in zip(keys, leaves, strict=True)
+    ]
+  )
+
+
+def scaled(grads):
+  return jax.tree.map(lambda g: (g.astype(jnp.float32) * SCALE).astype(g.dtype), grads)
+
+
+# --------------------------------------------------------------------------
+# The update step of each library. Each returns (step, carry, grads).
+# --------------------------------------------------------------------------
+
+
+def bare_adam(params, grads):
+  tx = optax.adam(LR)
+
+  def step(carry, g):
+    p, s = carry
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return step, (params, tx.init(params)), grads
+
+
+def ours(params, grads, tx=None):
+  tx = tx or ols.dynamic_loss_scale(optax.adam(LR), initial_scale=SCALE)
+
+  def step(carry, g):
+    p, s = carry
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return step, (params, tx.init(params)), scaled(grads)
+
+
+def apply_if_finite(params, grads):
+  # apply_if_finite has no scale: unscale by hand with a scale carried along.
+  tx = optax.apply_if_finite(optax.adam(LR), max_consecutive_errors=10)
+
+  def step(carry, g):
+    p, s, scale = carry
+    g = jax.tree.map(lambda x: x / scale.astype(x.dtype), g)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, scale
+
+  return step, (params, tx.init(params), jnp.float32(SCALE)), scaled(grads)
+
+
+def jmp_select_tree(params, grads):
+  import jmp
+
+  tx = optax.adam(LR)
+
+  # jmp's pytree loses its static fields through jit: carry its raw arrays.
+  def step(carry, g):
+    p, s, loss_scale, counter = carry
+    ls = jmp.DynamicLossScale(loss_scale=loss_scale, counter=counter, period=2000)
+    g = ls.unscale(g)
+    finite = jmp.all_finite(g)
+    ls = ls.adjust(finite)
+    u, new_s = tx.update(g, s, p)
+    new_p = optax.apply_updates(p, u)
+    p, s = jmp.select_tree(finite, (new_p, new_s), (p, s))
+    return p, s, ls.loss_scale, ls.counter
+
+  carry = (params, tx.init(params), jnp.float32(SCALE), jnp.int32(0))
+  return step, carry, scaled(grads)
+
+
+def flax_dynamic_scale(params, grads):
+  from flax.training.dynamic_scale import DynamicScale
+
+  tx = optax.adam(LR)
+
+  # DynamicScale computes the gradients itself: differentiate a function whose
+  # gradient is the given (unscaled) gradients, so that it sees `scale * g`.
+  @jax.custom_vjp
+  def inject(p, g):
+    return jnp.zeros([], jnp.float32)
+
+  inject.defvjp(
+    lambda p, g: (inject(p, g), g),
+    lambda g, ct: (
+      jax.tree.map(lambda x: (ct * x).astype(x.dtype), g),
+      None,
+    ),
+  )
+
+  def step(carry, g):
+    p, s, scale, fin_steps = carry
+    ds = DynamicScale(growth_interval=2000, scale=scale, fin_steps=fin_steps)
+    ds, finite, _, g = ds.value_and_grad(inject)(p, g)
+    u, new_s = tx.update(g, s, p)
+    new_p = optax.apply_updates(p, u)
+    keep = functools.partial(jnp.where, finite)
+    p, s = jax.tree.map(keep, new_p, p), jax.tree.map(keep, new_s, s)
+    return p, s, ds.scale, ds.fin_steps
+
+  carry = (params, tx.init(params), jnp.float32(SCALE), jnp.int32(0))
+  return step, carry, grads
+
+
+def _keras_step(params, grads, loss_scaled):
+  import keras
+
+  leaves = jax.tree.leaves(params)
+  variables = [keras.Variable(np.asarray(x)) for x in leaves]
+  opt = keras.optimizers.Adam(learning_rate=LR)
+  if loss_scaled:
+    opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=SCALE)
+  opt.build(variables)
+
+  def step(carry, g):
+    opt_vars, train_vars = carry
+    train_vars, opt_vars = opt.stateless_apply(opt_vars, g, train_vars)
+    return opt_vars, train_vars
+
+  carry = ([v.value for v in opt.variables], [v.value for v in variables])
+  g = jax.tree.leaves(scaled(grads) if loss_scaled else grads)
+  return step, carry, g
+
+
+def keras_loss_scale(params, grads):
+  return _keras_step(params, grads, True)
+
+
+def keras_adam(params, grads):
+  return _keras_step(params, grads, False)
+
+
+UPDATE_STEPS = {
+  "optax.adam (no loss scaling)": bare_adam,
+  "**optax_lossscale.dynamic_loss_scale(adam)**": ours,
+  "optax.apply_if_finite(adam)": apply_if_finite,
+  "jmp.DynamicLossScale + select_tree": jmp_select_tree,
+  "flax DynamicScale + jnp.where": flax_dynamic_scale,
+  "Keras 3 LossScaleOptimizer(Adam)": keras_loss_scale,
+  "Keras 3 Adam (no loss scaling)": keras_adam,
+}
+
+
+# --------------------------------------------------------------------------
+# The skip with lax.cond instead of lax.select.
+# --------------------------------------------------------------------------
+
+
+def cond_dynamic_loss_scale(inner, **kwargs):
+  """``dynamic_loss_scale`` with the skip as a ``lax.cond`` (rejected design)."""
+  loss_scale = ols.DynamicLossScale(**kwargs)
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params):
+    return ols.LossScaleState(*loss_scale.counters, inner_state=inner.init(params))
+
+  def update(updates, state, params=None):
+    scale = loss_scale.replace(_transform._counters_of(state))
+    grads, new_scale, ok = scale.unscale_and_update(updates)
+    shapes = jax.eval_shape(inner.update, grads, state.inner_state, params)[0]
+
+    def skip(grads, inner_state, params):
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
+
+    new_updates, new_inner = lax.cond(
+      ok, inner.update, skip, grads, state.inner_state, params
+    )
+    return new_updates, ols.LossScaleState(*new_scale.counters, inner_state=new_inner)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# --------------------------------------------------------------------------
+# Sections.
+# --------------------------------------------------------------------------
+
+
+def ratio(a, b):
+  return a / b
+
+
+def headline(calls):
+  params = layers()
+  grads = grads_like(params)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  rows = []
+  for name, make in UPDATE_STEPS.items():
+    step, carry, g = make(params, grads)
+    r = measure(step, carry, g, calls)
+    r.pop("carry")
+    rows.append((name, r))
+    print(f"  {name}: {r['median_s'] * 1e3:.2f} ms", flush=True)
+  base = rows[0][1]
+  keras_base = dict(rows)["Keras 3 Adam (no loss scaling)"]
+  lines = [
+    f"Update step (update + apply, buffers donated), {n / 1e6:.1f}M float32 "
+    f"parameters in {len(jax.tree.leaves(params))} leaves; ratios to bare "
+    "optax.adam fed the same unscaled gradients.",
+    "",
+    "| update step | bytes accessed | ratio | median time | ratio | XLA temp memory |",
+    "| --- | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for name, r in rows:
+    lines.append(
+      f"| {name} | {r['bytes'] / 1e6:.1f} MB | {ratio(r['bytes'], base['bytes']):.3f} "
+      f"| {r['median_s'] * 1e3:.2f} ms | {ratio(r['median_s'], base['median_s']):.3f} "
+      f"| {r['temp_bytes'] / 1e6:.2f} MB |"
+    )
+  k = dict(rows)["Keras 3 LossScaleOptimizer(Adam)"]
+  lines += [
+    "",
+    f"Keras' loss scaling over Keras' own Adam: bytes "
+    f"{ratio(k['bytes'], keras_base['bytes']):.3f}, time "
+    f"{ratio(k['median_s'], keras_base['median_s']):.3f}.",
+  ]
+  return rows, lines
+
+
+def dtypes(calls):
+  lines = [
+    "| parameters and gradients | bare adam | dynamic_loss_scale(adam) "
+    "| bytes ratio | time ratio |",
+    "| --- | ---: | ---: | ---: | ---: |",
+  ]
+  out = {}
+  for dtype in (jnp.float32, jnp.float16):
+    params = layers(dtype=dtype)
+    grads = grads_like(params)
+    b = measure(*bare_adam(params, grads), calls)
+    o = measure(*ours(params, grads), calls)
+    name = jnp.dtype(dtype).name
+    out[name] = {"bare": b, "ours": o}
+    lines.append(
+      f"| {name} | {b['median_s'] * 1e3:.2f} ms, {b['bytes'] / 1e6:.1f} MB "
+      f"| {o['median_s'] * 1e3:.2f} ms, {o['bytes'] / 1e6:.1f} MB "
+      f"| {o['bytes'] / b['bytes']:.3f} | {o['median_s'] / b['median_s']:.3f} |"
+    )
+    print(f"  {name} done", flush=True)
+  for v in out.values():
+    for r in v.values():
+      r.pop("carry")
+  return out, lines
+
+
+def leaves_sweep(calls, counts, total=2**23):
+  results = []
+  lines = [
+    f"{total / 2**20:.0f}M float32 parameters split into equal leaves.",
+    "",
+    "| leaves | compile: adam | compile: ours | step: adam | step: ours | step ratio |",
+    "| ---: | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for count in counts:
+    n = total // count
+    keys = jax.random.split(jax.random.key(0), count)
+    params = [jax.random.normal(k, (n,)) for k in keys]
+    grads = [p * 1e-3 for p in params]
+    b = measure(*bare_adam(params, grads), calls)
+    o = measure(*ours(params, grads), calls)
+    b.pop("carry"), o.pop("carry")
+    results.append({"leaves": count, "bare": b, "ours": o})
+    lines.append(
+      f"| {count} | {b['compile_s']:.2f} s | {o['compile_s']:.2f} s "
+      f"| {b['median_s'] * 1e3:.2f} ms | {o['median_s'] * 1e3:.2f} ms "
+      f"| {o['median_s'] / b['median_s']:.3f} |"
+    )
+    print(f"  {count} leaves done", flush=True)
+  return results, lines
+
+
+def plot_sweep(results, path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  x = [r["leaves"] for r in results]
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+  for key, label in (("bare", "optax.adam"), ("ours", "dynamic_loss_scale(adam)")):
+    a1.plot(x, [r[key]["compile_s"] for r in results], "o-", label=label)
+    a2.plot(x, [r[key]["median_s"] * 1e3 for r in results], "o-", label=label)
+  for a, title in ((a1, "compile time (s)"), (a2, "step time (ms)")):
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xlabel("leaves (same total size)")
+    a.set_title(title)
+    a.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def train_steps(calls):
+  import flax.linen as nn
+
+  class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = x.astype(jnp.float16)
+      for _ in range(3):
+        x = nn.relu(nn.Dense(1024, dtype=jnp.float16, param_dtype=jnp.float32)(x))
+      return nn.Dense(10, dtype=jnp.float16, param_dtype=jnp.float32)(x)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kw = {"dtype": jnp.float16, "param_dtype": jnp.float32}
+      h = nn.LayerNorm(**kw)(x)
+      x = x + nn.SelfAttention(num_heads=4, **kw)(h)
+      h = nn.LayerNorm(**kw)(x)
+      h = nn.Dense(1024, **kw)(h)
+      return x + nn.Dense(256, **kw)(nn.gelu(h))
+
+  class Transformer(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+      kw = {"dtype": jnp.float16, "param_dtype": jnp.float32}
+      x = nn.Embed(512, 256, **kw)(tokens)
+      for _ in range(2):
+        x = Block()(x)
+      return nn.Dense(512, **kw)(nn.LayerNorm(**kw)(x))
+
+  rng = np.random.default_rng(0)
+  cases = {
+    "MLP 784-1024-1024-1024-10, batch 256": (
+      MLP(),
+      rng.normal(size=(256, 784)).astype(np.float32),
+      rng.integers(0, 10, 256).astype(np.int32),
+    ),
+    "transformer 2x(d=256, 4 heads), seq 64, batch 16": (
+      Transformer(),
+      rng.integers(0, 512, (16, 64)).astype(np.int32),
+      rng.integers(0, 512, (16, 64)).astype(np.int32),
+    ),
+  }
+  lines = [
+    "| model | no loss scaling | dynamic_loss_scale | overhead |",
+    "| --- | ---: | ---: | ---: |",
+  ]
+  out = {}
+  for name, (model, x, y) in cases.items():
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss_fn(p, x, y, model=model):
+      logits = model.apply({"params": p}, x).astype(jnp.float32)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    plain_tx = optax.adam(LR)
+    scaled_tx = ols.dynamic_loss_scale(optax.adam(LR))
+
+    def plain(carry, batch, loss_fn=loss_fn, plain_tx=plain_tx):
+      p, s = carry
+      _, g = jax.value_and_grad(loss_fn)(p, *batch)
+      u, s = plain_tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    def scaled_step(carry, batch, loss_fn=loss_fn, scaled_tx=scaled_tx):
+      p, s = carry
+      _, g = ols.value_and_grad(loss_fn)(s, p, *batch)
+      u, s = scaled_tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    batch = (jnp.asarray(x), jnp.asarray(y))
+    # Interleave the two, several rounds, to spread the machine's noise.
+    rounds = {"plain": [], "scaled": []}
+    for _ in range(3):
+      for key, fn, tx in (
+        ("plain", plain, plain_tx),
+        ("scaled", scaled_step, scaled_tx),
+      ):
+        p = jax.tree.map(jnp.copy, params)
+        r = measure(fn, (p, tx.init(p)), batch, calls)
+        rounds[key].append(r["median_s"])
+    b, o = min(rounds["plain"]), min(rounds["scaled"])
+    out[name] = {"plain_s": rounds["plain"], "scaled_s": rounds["scaled"]}
+    lines.append(
+      f"| {name} | {b * 1e3:.2f} ms | {o * 1e3:.2f} ms | {100 * (o / b - 1):+.1f}% |"
+    )
+    print(f"  {name} done", flush=True)
+  lines += [
+    "",
+    "Each time is the best of 3 rounds (interleaved) of the median of the "
+    "round's calls.",
+  ]
+  return out, lines
+
+
+def select_after_loss_scale(inner, **kwargs):
+  """The skip as ``select(ok, new_state, old_state)`` after the update (rejected)."""
+  loss_scale = ols.DynamicLossScale(**kwargs)
+
+  def init(params):
+    return ols.LossScaleState(*loss_scale.counters, inner_state=inner.init(params))
+
+  def update(updates, state, params=None):
+    scale = loss_scale.replace(_transform._counters_of(state))
+    grads, new_scale, ok = scale.unscale_and_update(updates)
+    u, new_inner = inner.update(grads, state.inner_state, params)
+    u = _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
+    new_inner = _core.select_tree(ok, new_inner, state.inner_state)
+    return u, ols.LossScaleState(*new_scale.counters, inner_state=new_inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+def norm_check_loss_scale(inner, **kwargs):
+  """Finiteness read off the global norm of the gradients (rejected)."""
+  loss_scale = ols.DynamicLossScale(**kwargs)
+  inner = optax.with_extra_args_support(inner)
+
+  def init(params):
+    return ols.LossScaleState(*loss_scale.counters, inner_state=inner.init(params))
+
+  def update(updates, state, params=None):
+    scale = loss_scale.replace(_transform._counters_of(state))
+    grads = scale.unscale(updates)
+    new_scale, ok = scale.adjust(jnp.isfinite(optax.tree.norm(grads)))
+    u, new_inner = _transform._update_on_selected_state(
+      inner, ok, grads, state.inner_state, params, {}
+    )
+    u = _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
+    return u, ols.LossScaleState(*new_scale.counters, inner_state=new_inner)
+
+  return optax.GradientTransformation(init, update)
+
+
+def designs(calls):
+  """The skip and the finite check, as built and as rejected, vs bare adam."""
+  params = layers()
+  grads = grads_like(params)
+  bad = dict(grads)
+  bad["layer00"] = {**grads["layer00"], "b1": grads["layer00"]["b1"].at[0].set(jnp.nan)}
+  adam = lambda: optax.adam(LR)  # noqa: E731
+  base = measure(*bare_adam(params, grads), calls)
+  candidates = [
+    ("**ours**: select each new state leaf where it is made", lambda: None),
+    (
+      "check the unscaled gradients (what `min_scale < 1` needs)",
+      lambda: ols.dynamic_loss_scale(adam(), initial_scale=SCALE, min_scale=0.5),
+    ),
+    (
+      "`select(ok, new_state, old_state)` after the update",
+      lambda: select_after_loss_scale(adam(), initial_scale=SCALE),
+    ),
+    (
+      "`lax.cond` around the inner update",
+      lambda: cond_dynamic_loss_scale(adam(), initial_scale=SCALE),
+    ),
+  ]
+  lines = [
+    f"Same workload as the update step; bare optax.adam: {base['bytes'] / 1e6:.1f} "
+    f"MB, {base['median_s'] * 1e3:.2f} ms.",
+    "",
+    "| design | gradients | bytes ratio | time ratio | XLA temp memory |",
+    "| --- | --- | ---: | ---: | ---: |",
+  ]
+  out = {"bare": {k: v for k, v in base.items() if k != "carry"}}
+  for label, tx_fn in candidates:
+    kinds = (("finite", grads), ("non-finite", bad))
+    if "unscaled" in label:
+      kinds = kinds[:1]
+    for kind, g in kinds:
+      r = measure(*ours(params, g, tx=tx_fn()), calls)
+      r.pop("carry")
+      out[f"{label}, {kind}"] = r
+      lines.append(
+        f"| {label} | {kind} | {r['bytes'] / base['bytes']:.3f} "
+        f"| {r['median_s'] / base['median_s']:.3f} | {r['temp_bytes'] / 1e6:.2f} MB |"
+      )
+      print(f"  {label} {kind} done", flush=True)
+
+  # Finiteness from the global norm that clip_by_global_norm computes anyway.
+  chain = lambda: optax.chain(optax.clip_by_global_norm(1.0), adam())  # noqa: E731
+  b = measure(*_plain(chain(), params, grads), calls)
+  rows = [
+    ("**ours**", ols.dynamic_loss_scale(chain(), initial_scale=SCALE)),
+    (
+      "finite = isfinite(global norm)",
+      norm_check_loss_scale(chain(), initial_scale=SCALE),
+    ),
+  ]
+  lines += [
+    "",
+    "Inside `optax.chain(optax.clip_by_global_norm(1.0), optax.adam)`, which "
+    f"computes the global norm anyway (bare: {b['bytes'] / 1e6:.1f} MB, "
+    f"{b['median_s'] * 1e3:.2f} ms):",
+    "",
+    "| finite check | bytes ratio | time ratio |",
+    "| --- | ---: | ---: |",
+  ]
+  for label, tx in rows:
+    r = measure(*ours(params, grads, tx=tx), calls)
+    r.pop("carry")
+    out[f"chain: {label}"] = r
+    lines.append(
+      f"| {label} | {r['bytes'] / b['bytes']:.3f} "
+      f"| {r['median_s'] / b['median_s']:.3f} |"
+    )
+  return out, lines
+
+
+def _plain(tx, params, grads):
+  def step(carry, g):
+    p, s = carry
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return step, (params, tx.init(params)), grads
+
+
+def finite_checks(calls, counts, total=2**23):
+  """``all_finite`` alone: one reduction per leaf vs ours, by number of leaves."""
+
+  def per_leaf(tree):
+    return jnp.isfinite(sum(jnp.sum(x - x) for x in jax.tree.leaves(tree)))
+
+  lines = [
+    f"The finite check alone on {total / 2**20:.0f}M float32 entries in equal leaves.",
+    "",
+    "| leaves | per-leaf reductions: compile | step | ours: compile | step |",
+    "| ---: | ---: | ---: | ---: | ---: |",
+  ]
+  out = []
+  for count in counts:
+    tree = [jnp.full((total // count,), 1.0) for _ in range(count)]
+    row = {"leaves": count}
+    for key, fn in (("per_leaf", per_leaf), ("ours", ols.all_finite)):
+      t0 = time.perf_counter()
+      compiled = jax.jit(fn).lower(tree).compile()
+      row[key + "_compile_s"] = time.perf_counter() - t0
+      jax.block_until_ready(compiled(tree))
+      times = []
+      for _ in range(calls):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(tree))
+        times.append(time.perf_counter() - t)
+      row[key + "_s"] = statistics.median(times)
+    out.append(row)
+    lines.append(
+      f"| {count} | {row['per_leaf_compile_s']:.2f} s "
+      f"| {row['per_leaf_s'] * 1e3:.2f} ms "
+      f"| {row['ours_compile_s']:.2f} s | {row['ours_s'] * 1e3:.2f} ms |"
+    )
+    print(f"  {count} leaves done", flush=True)
+  return out, lines
+
+
+def machine():
+  cpu = "unknown CPU"
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          cpu = line.split(":", 1)[1].strip()
+          break
+  except OSError:
+    pass
+  dev = jax.devices()[0]
+  versions = {}
+  for mod in ("jax", "jaxlib", "optax", "flax", "keras", "jmp"):
+    try:
+      versions[mod] = __import__(mod).__version__
+    except Exception:  # noqa: BLE001
+      try:
+        from importlib.metadata import version
+
+        versions[mod] = version(mod)
+      except Exception:  # noqa: BLE001
+        versions[mod] = "?"
+  try:
+    rev = subprocess.run(
+      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+  except OSError:
+    rev = "?"
+  return {
+    "device": f"{dev.platform}: {getattr(dev, 'device_kind', '?')}",
+    "cpu": f"{cpu}, {os.cpu_count()} cores",
+    "python": platform.python_version(),
+    "versions": versions,
+    "commit": rev,
+  }
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--calls", type=int, default=30)
+  parser.add_argument("--quick", action="store_true", help="fewer leaves in the sweep")
+  parser.add_argument(
+    "--sections",
+    default="headline,dtypes,leaves,train,designs,finite",
+    help="comma-separated",
+  )
+  parser.add_argument(
+    "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+  )
+  args = parser.parse_args(argv)
+  if args.calls < 30:
+    print(f"note: --calls {args.calls} is below the 30 the report uses")
+  os.makedirs(args.out, exist_ok=True)
+  sections = args.sections.split(",")
+  info = machine()
+  md = [
+    f"Machine: {info['device']} ({info['cpu']}); Python {info['python']}; "
+    + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    + f"; commit {info['commit']}; median of {args.calls} calls after 3 warm-up "
+    "calls.",
+    "",
+  ]
+  results = {"machine": info}
+  if "headline" in sections:
+    print("headline", flush=True)
+    rows, lines = headline(args.calls)
+    results["headline"] = dict(rows)
+    md += ["### Update step", "", *lines, ""]
+  if "dtypes" in sections:
+    print("dtypes", flush=True)
+    results["dtypes"], lines = dtypes(args.calls)
+    md += ["### float16 vs float32", "", *lines, ""]
+  if "leaves" in sections:
+    print("leaves", flush=True)
+    counts = [1, 4, 16, 64, 256, 1024] + ([] if args.quick else [4096])
+    sweep, lines = leaves_sweep(args.calls, counts)
+    results["leaves"] = sweep
+    plot_sweep(sweep, os.path.join(args.out, "leaves.png"))
+    md += ["### Number of leaves", "", *lines, ""]
+  if "train" in sections:
+    print("train steps", flush=True)
+    results["train"], lines = train_steps(args.calls)
+    md += ["### Full train step", "", *lines, ""]
+  if "designs" in sections:
+    print("designs", flush=True)
+    results["designs"], lines = designs(args.calls)
+    md += ["### Designs tried", "", *lines, ""]
+  if "finite" in sections:
+    print("finite checks", flush=True)
+    counts = [64, 1024] + ([] if args.quick else [4096])
+    results["finite"], lines = finite_checks(args.calls, counts)
+    md += ["### The finite check alone", "", *lines, ""]
+  text = "\n".join(md)
+  print("\n" + text)
+  with open(os.path.join(args.out, "tables.md"), "w") as f:
+    f.write(text + "\n")
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()
