@@ -246,35 +246,6 @@ UPDATE_STEPS = {
 
 
 # --------------------------------------------------------------------------
-# The skip with lax.cond instead of lax.select.
-# --------------------------------------------------------------------------
-
-
-def cond_dynamic_loss_scale(inner, **kwargs):
-  """``dynamic_loss_scale`` with the skip as a ``lax.cond`` (rejected design)."""
-  loss_scale = ols.DynamicLossScale(**kwargs)
-  inner = optax.with_extra_args_support(inner)
-
-  def init(params):
-    return ols.LossScaleState(*loss_scale.counters, inner_state=inner.init(params))
-
-  def update(updates, state, params=None):
-    scale = loss_scale.replace(_transform._counters_of(state))
-    grads, new_scale, ok = scale.unscale_and_update(updates)
-    shapes = jax.eval_shape(inner.update, grads, state.inner_state, params)[0]
-
-    def skip(grads, inner_state, params):
-      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
-
-    new_updates, new_inner = lax.cond(
-      ok, inner.update, skip, grads, state.inner_state, params
-    )
-    return new_updates, ols.LossScaleState(*new_scale.counters, inner_state=new_inner)
-
-  return optax.GradientTransformationExtraArgs(init, update)
-
-
-# --------------------------------------------------------------------------
 # Sections.
 # --------------------------------------------------------------------------
 
@@ -489,26 +460,13 @@ def train_steps(calls):
   return out, lines
 
 
-def select_after_loss_scale(inner, **kwargs):
-  """The skip as ``select(ok, new_state, old_state)`` after the update (rejected)."""
-  loss_scale = ols.DynamicLossScale(**kwargs)
-
-  def init(params):
-    return ols.LossScaleState(*loss_scale.counters, inner_state=inner.init(params))
-
-  def update(updates, state, params=None):
-    scale = loss_scale.replace(_transform._counters_of(state))
-    grads, new_scale, ok = scale.unscale_and_update(updates)
-    u, new_inner = inner.update(grads, state.inner_state, params)
-    u = _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
-    new_inner = _core.select_tree(ok, new_inner, state.inner_state)
-    return u, ols.LossScaleState(*new_scale.counters, inner_state=new_inner)
-
-  return optax.GradientTransformation(init, update)
+# --------------------------------------------------------------------------
+# Loss scales with another finite check or skip than ours (rejected designs).
+# --------------------------------------------------------------------------
 
 
-def norm_check_loss_scale(inner, **kwargs):
-  """Finiteness read off the global norm of the gradients (rejected)."""
+def _variant(inner, check, skip, **kwargs):
+  """``dynamic_loss_scale(inner)`` with ``check`` and ``skip`` swapped in."""
   loss_scale = ols.DynamicLossScale(**kwargs)
   inner = optax.with_extra_args_support(inner)
 
@@ -517,15 +475,60 @@ def norm_check_loss_scale(inner, **kwargs):
 
   def update(updates, state, params=None):
     scale = loss_scale.replace(_transform._counters_of(state))
-    grads = scale.unscale(updates)
-    new_scale, ok = scale.adjust(jnp.isfinite(optax.tree.norm(grads)))
-    u, new_inner = _transform._update_on_selected_state(
-      inner, ok, grads, state.inner_state, params, {}
-    )
-    u = _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
+    grads, new_scale, ok = check(scale, updates)
+    u, new_inner = skip(inner, ok, grads, state.inner_state, params)
     return u, ols.LossScaleState(*new_scale.counters, inner_state=new_inner)
 
   return optax.GradientTransformation(init, update)
+
+
+def _our_check(scale, updates):
+  return scale.unscale_and_update(updates)
+
+
+def _norm_check(scale, updates):
+  """Finiteness read off the global norm of the unscaled gradients."""
+  grads = scale.unscale(updates)
+  new_scale, ok = scale.adjust(jnp.isfinite(optax.tree.norm(grads)))
+  return grads, new_scale, ok
+
+
+def _zeroed(ok, u):
+  return _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
+
+
+def _selected_state_skip(inner, ok, grads, inner_state, params):
+  u, s = _transform._update_on_selected_state(inner, ok, grads, inner_state, params, {})
+  return _zeroed(ok, u), s
+
+
+def _select_after_skip(inner, ok, grads, inner_state, params):
+  u, s = inner.update(grads, inner_state, params)
+  return _zeroed(ok, u), _core.select_tree(ok, s, inner_state)
+
+
+def _cond_skip(inner, ok, grads, inner_state, params):
+  shapes = jax.eval_shape(inner.update, grads, inner_state, params)[0]
+
+  def skip(grads, inner_state, params):
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
+
+  return lax.cond(ok, inner.update, skip, grads, inner_state, params)
+
+
+def select_after_loss_scale(inner, **kwargs):
+  """The skip as ``select(ok, new_state, old_state)`` after the update."""
+  return _variant(inner, _our_check, _select_after_skip, **kwargs)
+
+
+def cond_dynamic_loss_scale(inner, **kwargs):
+  """The skip as a ``lax.cond`` around the inner update."""
+  return _variant(inner, _our_check, _cond_skip, **kwargs)
+
+
+def norm_check_loss_scale(inner, **kwargs):
+  """Finiteness from the global norm, our skip."""
+  return _variant(inner, _norm_check, _selected_state_skip, **kwargs)
 
 
 def designs(calls):

@@ -80,6 +80,15 @@ def _float_in(name: str, value: Any, lo: float, hi: float) -> float:
   return out
 
 
+def _optional_positive(name: str, value: Any) -> float | None:
+  if value is None:
+    return None
+  out = _as_float(name, value)
+  if out <= 0:
+    raise ValueError(f"`{name}` must be positive or None, got {value!r}.")
+  return out
+
+
 def _optional_int_at_least(name: str, value: Any, minimum: int) -> int | None:
   if value is None:
     return None

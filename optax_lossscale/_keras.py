@@ -8,6 +8,7 @@ For people porting TensorFlow or Keras code: every knob of
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,15 +68,6 @@ def _inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
   except TypeError as e:
     raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
   return tx, {"class_name": name, "config": config}
-
-
-def _optional_positive(name: str, value: Any) -> float | None:
-  if value is None:
-    return None
-  out = _core._as_float(name, value)
-  if out <= 0:
-    raise ValueError(f"`{name}` must be positive or None, got {value!r}.")
-  return out
 
 
 def _is_inject_state(x: Any) -> bool:
@@ -277,12 +269,10 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     initial_scale = scale.config.initial_scale
 
     if weight_decay is not None:
-      weight_decay = _core._as_float("weight_decay", weight_decay)
-      if weight_decay < 0:
-        raise ValueError(f"`weight_decay` must be >= 0 or None, got {weight_decay}.")
-    clipnorm = _optional_positive("clipnorm", clipnorm)
-    clipvalue = _optional_positive("clipvalue", clipvalue)
-    global_clipnorm = _optional_positive("global_clipnorm", global_clipnorm)
+      weight_decay = _core._float_in("weight_decay", weight_decay, 0.0, math.inf)
+    clipnorm = _core._optional_positive("clipnorm", clipnorm)
+    clipvalue = _core._optional_positive("clipvalue", clipvalue)
+    global_clipnorm = _core._optional_positive("global_clipnorm", global_clipnorm)
     if sum(c is not None for c in (clipnorm, clipvalue, global_clipnorm)) > 1:
       raise ValueError(
         "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set; "
@@ -295,7 +285,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     ema_overwrite_frequency = _core._optional_int_at_least(
       "ema_overwrite_frequency", ema_overwrite_frequency, 1
     )
-    loss_scale_factor = _optional_positive("loss_scale_factor", loss_scale_factor)
+    loss_scale_factor = _core._optional_positive("loss_scale_factor", loss_scale_factor)
     gradient_accumulation_steps = _core._optional_int_at_least(
       "gradient_accumulation_steps", gradient_accumulation_steps, 2
     )

@@ -10,26 +10,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_train_digits_example(tmp_path):
-  out = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "examples" / "train_digits.py"),
-      "--steps",
-      "150",
-      "--growth-interval",
-      "20",
-      "--out",
-      str(tmp_path),
-    ],
+def run_example(name, *args):
+  """Runs examples/NAME with ARGS in a new process; its stdout (it must exit 0)."""
+  return subprocess.run(
+    [sys.executable, str(ROOT / "examples" / name), *map(str, args)],
     capture_output=True,
     text=True,
     timeout=600,
     check=True,
+    cwd=ROOT / "examples",
+  ).stdout
+
+
+@pytest.mark.slow
+def test_train_digits_example(tmp_path):
+  stdout = run_example(
+    "train_digits.py", "--steps", 150, "--growth-interval", 20, "--out", tmp_path
   )
   rows = {}
-  for line in out.stdout.splitlines():
+  for line in stdout.splitlines():
     m = re.match(
       r"^(float32|float16 \+ loss scale|float16)\s+([\d.]+)\s+"
       r"([\d.]+)\s+(\d+)\s+(\S+)\s+([\d.]+)%\s+(\d+)$",
@@ -37,7 +36,7 @@ def test_train_digits_example(tmp_path):
     )
     if m:
       rows[m.group(1)] = m.groups()[1:]
-  assert set(rows) == {"float32", "float16", "float16 + loss scale"}, out.stdout
+  assert set(rows) == {"float32", "float16", "float16 + loss scale"}, stdout
   for name, (acc, loss, *_) in rows.items():
     assert float(acc) > 0.8, (name, acc)  # 10 classes: chance is 0.1
     assert float(loss) < 1.0, (name, loss)
@@ -50,21 +49,8 @@ def test_train_digits_example(tmp_path):
 
 @pytest.mark.slow
 def test_data_parallel_example():
-  out = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "examples" / "data_parallel.py"),
-      "--steps",
-      "30",
-      "--nan-at",
-      "5,6,20",
-    ],
-    capture_output=True,
-    text=True,
-    timeout=600,
-    check=True,  # exits 1 if the devices ever disagreed
-    cwd=ROOT / "examples",
-  ).stdout
+  # Exits 1 if the devices ever disagreed.
+  out = run_example("data_parallel.py", "--steps", 30, "--nan-at", "5,6,20")
   assert out.startswith("8 devices"), out
   steps = {}
   for line in out.splitlines():

@@ -1,15 +1,12 @@
 """Flax Linen TrainState, Flax NNX nnx.Optimizer, Orbax checkpoints."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_examples import run_example
 
 import optax_lossscale as ols
 
@@ -19,7 +16,6 @@ from flax import nnx  # noqa: E402
 from optax_lossscale.flax import LossScaleTrainState, nnx_value_and_grad  # noqa: E402
 
 pytestmark = pytest.mark.standard_promotion  # Flax layers
-ROOT = Path(__file__).resolve().parents[1]
 SCALE = 2.0**8
 
 
@@ -120,28 +116,16 @@ def test_nnx_optimizer_with_loss_scale():
   assert int(optimizer.step[...]) == 2  # nnx counts update calls
 
 
-def _run(args, timeout=600):
-  return subprocess.run(
-    [sys.executable, *map(str, args)],
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-    check=True,
-    cwd=ROOT / "examples",
-  )
-
-
 @pytest.mark.slow
 def test_orbax_restore_in_a_new_process_is_bit_identical(tmp_path):
   pytest.importorskip("orbax.checkpoint")
-  script = ROOT / "examples" / "orbax_resume.py"
+  script = "orbax_resume.py"
   common = ["--steps", 40, "--nan-at", "5,21,22"]
   a, b = tmp_path / "uninterrupted.npz", tmp_path / "resumed.npz"
-  out_a = _run(
-    [script, *common, "--save-at", 20, "--ckpt", tmp_path / "ckpt", "--final", a]
-  )
-  out_b = _run([script, *common, "--resume", tmp_path / "ckpt" / "20", "--final", b])
-  assert "saved step 20" in out_a.stdout and "restored step 20" in out_b.stdout
+  ckpt = tmp_path / "ckpt"
+  out_a = run_example(script, *common, "--save-at", 20, "--ckpt", ckpt, "--final", a)
+  out_b = run_example(script, *common, "--resume", ckpt / "20", "--final", b)
+  assert "saved step 20" in out_a and "restored step 20" in out_b
   fa, fb = np.load(a), np.load(b)
   assert sorted(fa.files) == sorted(fb.files)
   assert any("loss_scale" in k for k in fa.files)
@@ -156,14 +140,14 @@ def test_orbax_restore_in_a_new_process_is_bit_identical(tmp_path):
 
   # A restore that went wrong (a fresh run from step 20) would differ.
   c = tmp_path / "fresh.npz"
-  _run([script, "--steps", 20, "--nan-at", "", "--final", c])
+  run_example(script, "--steps", 20, "--nan-at", "", "--final", c)
   assert not np.array_equal(np.load(c)[step[0]], fb[step[0]])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["flax_linen.py", "flax_nnx.py"])
 def test_flax_examples(name):
-  out = _run([ROOT / "examples" / name, "--steps", 200]).stdout
+  out = run_example(name, "--steps", 200)
   acc = [
     float(w)
     for line in out.splitlines()
