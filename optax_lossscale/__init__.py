@@ -20,6 +20,9 @@ from optax_lossscale._keras import (
 from optax_lossscale._keras import LossScaleOptimizer as LossScaleOptimizer
 from optax_lossscale._keras import get_learning_rate as get_learning_rate
 from optax_lossscale._keras import set_learning_rate as set_learning_rate
+from optax_lossscale._policy import Policy as Policy
+from optax_lossscale._policy import default_half_dtype as default_half_dtype
+from optax_lossscale._policy import get_policy as get_policy
 from optax_lossscale._transform import LossScaleState as LossScaleState
 from optax_lossscale._transform import NonFiniteStepsError as NonFiniteStepsError
 from optax_lossscale._transform import check_skipped_steps as check_skipped_steps
@@ -49,9 +52,11 @@ __all__ = (
   "LossScaleState",
   "NoOpLossScale",
   "NonFiniteStepsError",
+  "Policy",
   "StaticLossScale",
   "all_finite",
   "check_skipped_steps",
+  "default_half_dtype",
   "diagnostics",
   "dynamic_loss_scale",
   "ema_params",
@@ -59,6 +64,7 @@ __all__ = (
   "find_loss_scale_state",
   "get_ema_params",
   "get_learning_rate",
+  "get_policy",
   "get_scale",
   "scale_loss",
   "set_learning_rate",
