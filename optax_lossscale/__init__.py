@@ -1,5 +1,13 @@
 """Loss scaling and mixed precision for JAX, as optax transformations."""
 
+from optax_lossscale._autocast import ALLOW_LIST as ALLOW_LIST
+from optax_lossscale._autocast import CLEAR_LIST as CLEAR_LIST
+from optax_lossscale._autocast import DENY_LIST as DENY_LIST
+from optax_lossscale._autocast import INFER_LIST as INFER_LIST
+from optax_lossscale._autocast import autocast as autocast
+from optax_lossscale._autocast import (
+  enable_mixed_precision as enable_mixed_precision,
+)
 from optax_lossscale._core import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from optax_lossscale._core import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
 from optax_lossscale._core import Counters as Counters
@@ -40,6 +48,10 @@ from optax_lossscale._transform import with_loss_scale as with_loss_scale
 __version__ = "0.1.0"
 
 __all__ = (
+  "ALLOW_LIST",
+  "CLEAR_LIST",
+  "DENY_LIST",
+  "INFER_LIST",
   "DEFAULT_MAX_SCALE",
   "DEFAULT_MIN_SCALE",
   "Counters",
@@ -55,11 +67,13 @@ __all__ = (
   "Policy",
   "StaticLossScale",
   "all_finite",
+  "autocast",
   "check_skipped_steps",
   "default_half_dtype",
   "diagnostics",
   "dynamic_loss_scale",
   "ema_params",
+  "enable_mixed_precision",
   "finalize_variable_values",
   "find_loss_scale_state",
   "get_ema_params",

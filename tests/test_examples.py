@@ -61,3 +61,21 @@ def test_data_parallel_example():
   assert [s for s, (_, skipped) in steps.items() if skipped] == [5, 6, 20]
   assert steps[5][0] == steps[4][0] / 2 and steps[6][0] == steps[4][0] / 4
   assert "steps where the devices disagreed: 0" in out
+
+
+@pytest.mark.slow
+def test_mixed_precision_example():
+  out = run_example("mixed_precision.py", "--steps", 400)
+  acc = {
+    m.group(1): float(m.group(2))
+    for m in re.finditer(
+      r"^(float32 as written|enable_mixed_precision)\s+test accuracy ([\d.]+)",
+      out,
+      re.M,
+    )
+  }
+  assert set(acc) == {"float32 as written", "enable_mixed_precision"}, out
+  assert acc["float32 as written"] > 0.9
+  assert abs(acc["enable_mixed_precision"] - acc["float32 as written"]) <= 0.01 + 1e-9
+  half = float(re.search(r"FLOPs in float16 .*: ([\d.]+)%", out).group(1))
+  assert half > 90.0, out

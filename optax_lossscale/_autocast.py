@@ -1,0 +1,456 @@
+"""autocast: run an unmodified float32 function in mixed precision.
+
+The JAX form of TensorFlow's ``enable_mixed_precision_graph_rewrite``: the
+function's jaxpr is evaluated primitive by primitive, and each primitive's
+floating inputs are cast according to four public lists (TF's names):
+
+* allow: matmuls and convolutions run in the half dtype;
+* deny: numerically unsafe primitives (exponentials, logarithms, powers,
+  large reductions, divisions: the pieces of softmax and of normalisation
+  statistics) run in float32;
+* infer: elementwise arithmetic runs in the half dtype when every floating
+  input is already half, otherwise in float32;
+* clear: data movement passes its input's dtype through.
+
+A primitive in no list runs in float32 (TF treats unlisted ops the same way).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_lossscale import _policy
+
+try:
+  from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+except ImportError:  # older JAX
+  from jax.core import ClosedJaxpr, Jaxpr, Literal
+
+#: Run in the half dtype.
+ALLOW_LIST = frozenset(
+  {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+)
+#: Run in float32.
+DENY_LIST = frozenset(
+  {
+    "exp",
+    "exp2",
+    "expm1",
+    "log",
+    "log1p",
+    "logistic",
+    "erf",
+    "erfc",
+    "erf_inv",
+    "lgamma",
+    "digamma",
+    "igamma",
+    "pow",
+    "integer_pow",
+    "sqrt",
+    "rsqrt",
+    "cbrt",
+    "div",
+    "reduce_sum",
+    "reduce_prod",
+    "cumsum",
+    "cumprod",
+    "cumlogsumexp",
+    "reduce_precision",
+    "tan",
+    "atan2",
+    "sinh",
+    "cosh",
+    "asin",
+    "acos",
+    "atan",
+    "asinh",
+    "acosh",
+    "atanh",
+    "sin",
+    "cos",
+  }
+)
+#: Run in the half dtype if every floating input is half, else float32.
+INFER_LIST = frozenset(
+  {
+    "add",
+    "add_any",
+    "sub",
+    "mul",
+    "neg",
+    "max",
+    "min",
+    "abs",
+    "sign",
+    "square",
+    "tanh",
+    "floor",
+    "ceil",
+    "round",
+    "clamp",
+    "nextafter",
+    "rem",
+    "is_finite",
+    "eq",
+    "ne",
+    "lt",
+    "le",
+    "gt",
+    "ge",
+    "stop_gradient",
+  }
+)
+#: Pass the dtype through.
+CLEAR_LIST = frozenset(
+  {
+    "reshape",
+    "transpose",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "concatenate",
+    "select_n",
+    "broadcast_in_dim",
+    "squeeze",
+    "expand_dims",
+    "rev",
+    "pad",
+    "copy",
+    "copy_p",
+    "reduce_max",
+    "reduce_min",
+    "argmax",
+    "argmin",
+    "sort",
+    "convert_element_type",
+    "iota",
+  }
+)
+
+_CALLS = (
+  "jit",
+  "pjit",
+  "closed_call",
+  "core_call",
+  "custom_jvp_call",
+  "custom_vjp_call",
+  "custom_vjp_call_jaxpr",
+)
+
+
+def _is_float(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+class _Rules:
+  """The four lists, checked once, and the half dtype."""
+
+  def __init__(self, half, allow, deny, infer, clear):
+    self.half = jnp.dtype(half)
+    if not _is_float(self.half) or self.half.itemsize >= 4:
+      raise ValueError(
+        f"`compute_dtype` must be a half-precision float dtype, got {self.half}."
+      )
+    self.lists = {}
+    for name, prims in (
+      ("allow", allow),
+      ("deny", deny),
+      ("infer", infer),
+      ("clear", clear),
+    ):
+      prims = frozenset(prims)
+      if not all(isinstance(p, str) for p in prims):
+        raise ValueError(
+          f"`{name}` must hold primitive names (strings), got {prims!r}."
+        )
+      for other, seen in self.lists.items():
+        both = prims & seen
+        if both:
+          raise ValueError(
+            f"Primitive(s) {sorted(both)} are in both `{other}` and `{name}`."
+          )
+      self.lists[name] = prims
+
+  def kind(self, name: str) -> str:
+    for kind, prims in self.lists.items():
+      if name in prims:
+        return kind
+    return "deny"
+
+
+def _follower(var, val) -> bool:
+  """A literal or weakly-typed scalar: it adopts the dtype of the others."""
+  if isinstance(var, Literal):
+    return True
+  aval = getattr(var, "aval", None)
+  return bool(getattr(aval, "weak_type", False)) or getattr(val, "ndim", 1) == 0
+
+
+def _cast(x, dtype):
+  return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+
+
+def _eval(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], rules: _Rules):
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args, strict=True):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    invals = [jnp.asarray(read(v)) for v in eqn.invars]
+    outs = _eval_eqn(eqn, invals, rules)
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _bind_params(eqn):
+  params = eqn.primitive.get_bind_params(eqn.params)
+  if isinstance(params, tuple):  # JAX < 0.7: (subfuns, params)
+    return params
+  return [], params
+
+
+def _closed(j) -> tuple[Jaxpr, list[Any]]:
+  if isinstance(j, ClosedJaxpr):
+    return j.jaxpr, list(j.consts)
+  return j, []
+
+
+def _eval_eqn(eqn, invals, rules: _Rules):
+  name = eqn.primitive.name
+  params = eqn.params
+  if name in _CALLS:
+    key = next(k for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params)
+    sub, consts = _closed(params[key])
+    return _eval(sub, consts, invals, rules)
+  if name in ("remat", "remat2", "checkpoint"):
+    sub, consts = _closed(params["jaxpr"])
+    body = jax.checkpoint(
+      lambda *a: _eval(sub, consts, a, rules),
+      prevent_cse=params.get("prevent_cse", True),
+      policy=params.get("policy"),
+    )
+    return body(*invals)
+  if name == "scan":
+    return _scan(eqn, invals, rules)
+  if name == "while":
+    return _while(eqn, invals, rules)
+  if name == "cond":
+    return _cond(eqn, invals, rules)
+  if any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in params.values()):
+    raise NotImplementedError(
+      f"autocast does not support the primitive {name!r} (it holds a jaxpr that "
+      "autocast cannot rewrite); call it outside the autocast function."
+    )
+  return _first_order(eqn, invals, rules)
+
+
+def _first_order(eqn, invals, rules: _Rules):
+  name = eqn.primitive.name
+  kind = rules.kind(name)
+  half = rules.half
+  original = [v.aval.dtype for v in eqn.invars]
+  floating = [i for i, x in enumerate(invals) if _is_float(x.dtype)]
+  subfuns, params = _bind_params(eqn)
+  params = dict(params)
+
+  if name == "convert_element_type":
+    # A conversion the function writes keeps its target dtype.
+    targets = {}
+  elif kind == "allow":
+    targets = {i: half for i in floating}
+    for key in ("preferred_element_type",):
+      pet = params.get(key)
+      if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize >= 4:
+        params[key] = half
+  elif kind == "deny":
+    targets = {i: original[i] for i in floating if _is_float(original[i])}
+  else:  # infer and clear: half only if every (non-follower) float input is
+    leaders = [i for i in floating if not _follower(eqn.invars[i], invals[i])]
+    if kind == "clear" and len(leaders) <= 1 and len(floating) <= 1:
+      targets = {}
+    else:
+      all_half = bool(leaders) and all(invals[i].dtype == half for i in leaders)
+      targets = {
+        i: (half if all_half else original[i])
+        for i in floating
+        if _is_float(original[i])
+      }
+  invals = [_cast(x, targets[i]) if i in targets else x for i, x in enumerate(invals)]
+  out = eqn.primitive.bind(*subfuns, *invals, **params)
+  return out if eqn.primitive.multiple_results else [out]
+
+
+def _match(values, dtypes):
+  return [
+    _cast(x, d) if _is_float(x.dtype) else x
+    for x, d in zip(values, dtypes, strict=True)
+  ]
+
+
+def _scan(eqn, invals, rules):
+  p = eqn.params
+  sub, consts = _closed(p["jaxpr"])
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  cvals, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+  carry_dtypes = [x.dtype for x in init]
+
+  def body(carry, x):
+    outs = _eval(sub, consts, [*cvals, *carry, *x], rules)
+    return tuple(_match(outs[:ncarry], carry_dtypes)), tuple(outs[ncarry:])
+
+  carry, ys = lax.scan(
+    body,
+    tuple(init),
+    tuple(xs),
+    length=p["length"],
+    reverse=p["reverse"],
+    unroll=p["unroll"],
+  )
+  return [*carry, *ys]
+
+
+def _while(eqn, invals, rules):
+  p = eqn.params
+  cj, cconsts = _closed(p["cond_jaxpr"])
+  bj, bconsts = _closed(p["body_jaxpr"])
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cvals, bvals, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+  dtypes = [x.dtype for x in init]
+
+  def cond_fun(carry):
+    return _eval(cj, cconsts, [*cvals, *carry], rules)[0]
+
+  def body_fun(carry):
+    return tuple(_match(_eval(bj, bconsts, [*bvals, *carry], rules), dtypes))
+
+  return list(lax.while_loop(cond_fun, body_fun, tuple(init)))
+
+
+def _cond(eqn, invals, rules):
+  index, ops = invals[0], invals[1:]
+  branches = [_closed(b) for b in eqn.params["branches"]]
+  shapes = [
+    jax.eval_shape(lambda *o, b=b: _eval(b[0], b[1], o, rules), *ops) for b in branches
+  ]
+  # Each output in the widest dtype any branch gives it.
+  dtypes = [
+    max((s[i].dtype for s in shapes), key=lambda d: jnp.dtype(d).itemsize)
+    for i in range(len(shapes[0]))
+  ]
+  fns = [
+    lambda *o, b=b: tuple(_match(_eval(b[0], b[1], o, rules), dtypes)) for b in branches
+  ]
+  return list(lax.switch(index, fns, *ops))
+
+
+def autocast(
+  fun: Callable[..., Any],
+  *,
+  compute_dtype: Any = None,
+  allow: Iterable[str] = ALLOW_LIST,
+  deny: Iterable[str] = DENY_LIST,
+  infer: Iterable[str] = INFER_LIST,
+  clear: Iterable[str] = CLEAR_LIST,
+) -> Callable[..., Any]:
+  """``fun`` evaluated with per-primitive casting to ``compute_dtype``.
+
+  Returns a function with ``fun``'s signature whose floating outputs have the
+  dtypes ``fun`` returns; integer and boolean values are never cast. It
+  rewrites ``fun``'s jaxpr, recursing into ``jit``, ``custom_jvp``/
+  ``custom_vjp`` (their bodies are inlined: autodiff then differentiates the
+  rewritten primal), ``checkpoint``, ``scan``, ``while_loop`` and ``cond``,
+  and works under ``jax.jit``, ``jax.grad`` (float32 inputs get float32
+  gradients) and ``jax.vmap``. A conversion ``fun`` writes itself keeps its
+  target dtype; literals and weakly-typed scalars follow the other inputs.
+
+  Args:
+    fun: the function, written for float32.
+    compute_dtype: the half dtype (default: :func:`default_half_dtype`).
+    allow, deny, infer, clear: primitive names (see the module lists
+      ``ALLOW_LIST`` …); pass modified sets to override. A primitive in no
+      list runs in float32.
+
+  Raises:
+    ValueError: a bad ``compute_dtype``, or a primitive in two lists.
+    NotImplementedError: (when called) a higher-order primitive autocast
+      cannot rewrite, named in the message.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax_lossscale as ols
+    >>> f = lambda w, x: jnp.sum(jnp.exp(x @ w))
+    >>> g = ols.autocast(f, compute_dtype=jnp.float16)
+    >>> jaxpr = jax.make_jaxpr(g)(jnp.ones((3, 2)), jnp.ones((4, 3)))
+    >>> [(e.primitive.name, e.outvars[0].aval.dtype.name) for e in jaxpr.eqns
+    ...  if e.primitive.name in ("dot_general", "exp")]
+    [('dot_general', 'float16'), ('exp', 'float32')]
+  """
+  half = _policy.default_half_dtype() if compute_dtype is None else compute_dtype
+  rules = _Rules(half, allow, deny, infer, clear)
+
+  def wrapped(*args, **kwargs):
+    flat, treedef = jax.tree.flatten((args, kwargs))
+
+    def flat_fun(*leaves):
+      a, k = jax.tree.unflatten(treedef, leaves)
+      return fun(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
+    outs = _eval(closed.jaxpr, closed.consts, flat, rules)
+    outs = [
+      _cast(x, s.dtype) if _is_float(x.dtype) and _is_float(s.dtype) else x
+      for x, s in zip(outs, jax.tree.leaves(out_shape), strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  return wrapped
+
+
+def enable_mixed_precision(
+  fun: Callable[..., Any],
+  optimizer: Any,
+  *,
+  compute_dtype: Any = None,
+  **loss_scale_kwargs: Any,
+) -> tuple[Callable[..., Any], Any]:
+  """The graph-rewrite seed's one call: ``(autocast(fun), loss-scaled optimizer)``.
+
+  Args:
+    fun: the float32 function to run in mixed precision (a model's apply or
+      loss function).
+    optimizer: the optax transformation to wrap.
+    compute_dtype: the half dtype (default: :func:`default_half_dtype`).
+    **loss_scale_kwargs: passed to :func:`dynamic_loss_scale`.
+
+  Returns:
+    ``(autocast(fun, compute_dtype=...), tx)``: with float16, ``tx`` is
+    ``dynamic_loss_scale(optimizer, **loss_scale_kwargs)``; with bfloat16,
+    which does not need loss scaling, ``optimizer`` wrapped in a
+    :class:`NoOpLossScale` (the same code path, scale 1).
+  """
+  from optax_lossscale import _core, _transform
+
+  half = jnp.dtype(
+    _policy.default_half_dtype() if compute_dtype is None else compute_dtype
+  )
+  fast = autocast(fun, compute_dtype=half)
+  if half == jnp.float16:
+    return fast, _transform.dynamic_loss_scale(optimizer, **loss_scale_kwargs)
+  if loss_scale_kwargs:
+    raise ValueError(
+      f"Loss-scale arguments {sorted(loss_scale_kwargs)} given, but {half.name} "
+      "does not need loss scaling."
+    )
+  return fast, _transform.with_loss_scale(optimizer, _core.NoOpLossScale())

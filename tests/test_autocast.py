@@ -1,0 +1,258 @@
+"""autocast and enable_mixed_precision: the rewritten jaxpr, values, gradients."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import optax_lossscale as ols
+
+pytestmark = pytest.mark.standard_promotion  # Flax layers
+F16 = jnp.dtype(jnp.float16)
+
+
+def _eqns(jaxpr):
+  """Every equation, recursing into sub-jaxprs."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in p if isinstance(p, tuple) else (p,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _eqns(inner)
+
+
+class MLP(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(2):
+      x = nn.relu(nn.Dense(64)(x))
+    return nn.Dense(10)(x)
+
+
+class CNN(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Conv(8, (3, 3))(x))
+    x = nn.BatchNorm(use_running_average=True)(x)
+    return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+class Attention(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = x + nn.MultiHeadDotProductAttention(num_heads=2)(nn.LayerNorm()(x))
+    return nn.Dense(10)(nn.LayerNorm()(x).mean(1))
+
+
+class Cell(nn.Module):
+  @nn.compact
+  def __call__(self, c, x):
+    c = nn.tanh(nn.Dense(16)(c) + x)
+    return c, c
+
+
+class ScanRemat(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    scan = nn.scan(
+      nn.remat(Cell),
+      variable_broadcast="params",
+      split_rngs={"params": False},
+      in_axes=1,
+      out_axes=1,
+    )
+    _, ys = scan()(jnp.zeros((x.shape[0], 16)), x)
+    return nn.Dense(10)(ys.mean(1))
+
+
+MODELS = {
+  "mlp": (MLP, (8, 32)),
+  "cnn": (CNN, (4, 8, 8, 3)),
+  "attention": (Attention, (4, 6, 16)),
+  "scan+remat": (ScanRemat, (4, 5, 16)),
+}
+
+
+def _setup(name):
+  cls, shape = MODELS[name]
+  model = cls()
+  x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+
+  def loss(params, x):
+    logits = model.apply({**variables, "params": params}, x)
+    return -jnp.mean(jax.nn.log_softmax(logits)[:, 0])
+
+  return loss, variables["params"], x
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_values_and_gradients_match_float32(name):
+  loss, params, x = _setup(name)
+  ref_loss, ref_grads = jax.value_and_grad(loss)(params, x)
+  fast = ols.autocast(loss, compute_dtype=jnp.float16)
+  got_loss, got_grads = jax.jit(jax.value_and_grad(fast))(params, x)
+  assert got_loss.dtype == jnp.float32
+  # float16 has an 11-bit significand: 1e-3 relative on the loss, and the
+  # gradients within 2% of the largest gradient entry (a leaf whose exact
+  # gradient is 0, such as attention's key bias, is judged on that scale).
+  np.testing.assert_allclose(float(got_loss), float(ref_loss), rtol=1e-3)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
+  for got, ref in zip(
+    jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads), strict=True
+  ):
+    assert got.dtype == jnp.float32  # float32 parameters get float32 gradients
+    assert float(jnp.max(jnp.abs(got - ref))) <= 0.02 * scale
+  # And the rewrite did something: every matmul/convolution in float16.
+  jaxpr = jax.make_jaxpr(fast)(params, x).jaxpr
+  heavy = [e for e in _eqns(jaxpr) if e.primitive.name in ols.ALLOW_LIST]
+  assert heavy and all(
+    v.aval.dtype == F16 for e in heavy for v in e.invars if hasattr(v, "aval")
+  )
+
+
+def test_denied_primitives_run_in_float32():
+  loss, params, x = _setup("attention")
+  jaxpr = jax.make_jaxpr(ols.autocast(loss, compute_dtype=jnp.float16))(params, x)
+  denied = [
+    e
+    for e in _eqns(jaxpr.jaxpr)
+    if e.primitive.name in ("exp", "log", "reduce_sum", "div", "rsqrt")
+  ]
+  assert {e.primitive.name for e in denied} >= {"exp", "log", "reduce_sum"}
+  for e in denied:
+    for v in e.invars:
+      if jnp.issubdtype(v.aval.dtype, jnp.floating):
+        assert v.aval.dtype == jnp.float32, e
+
+
+def test_lists_can_be_overridden():
+  f = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+  w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+  plain = ols.autocast(f, compute_dtype=jnp.float16)
+  moved = ols.autocast(
+    f,
+    compute_dtype=jnp.float16,
+    allow=ols.ALLOW_LIST - {"dot_general"},
+    deny=ols.DENY_LIST | {"dot_general"},
+  )
+
+  def dot_dtype(g):
+    j = jax.make_jaxpr(g)(w, x).jaxpr
+    return (
+      next(e for e in _eqns(j) if e.primitive.name == "dot_general")
+      .invars[0]
+      .aval.dtype
+    )
+
+  assert dot_dtype(plain) == F16 and dot_dtype(moved) == jnp.float32
+  with pytest.raises(ValueError, match="both"):
+    ols.autocast(f, deny=ols.DENY_LIST | {"dot_general"})
+  with pytest.raises(ValueError, match="compute_dtype"):
+    ols.autocast(f, compute_dtype=jnp.float32)
+  with pytest.raises(ValueError, match="strings"):
+    ols.autocast(f, allow=[jnp.float16])
+
+
+def test_control_flow_custom_rules_and_integers():
+  @jax.custom_jvp
+  def softplus(x):
+    return jnp.logaddexp(x, 0.0)
+
+  softplus.defjvp(lambda p, t: (softplus(p[0]), t[0] * jax.nn.sigmoid(p[0])))
+
+  def f(w, x, n):
+    h = softplus(x @ w)
+    h = lax.scan(lambda c, r: (c + r, c * 2.0), jnp.zeros(h.shape[1]), h)[0]
+    h = lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, s[1] * 0.5), (0, h))[1]
+    h = lax.cond(h.sum() > 0, lambda v: v * 2.0, lambda v: -v, h)
+    return h, jnp.argmax(h), n + 1
+
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(4, 3)), jnp.float32)
+  n = jnp.int32(3)
+  ref = f(w, x, n)
+  got = jax.jit(ols.autocast(f, compute_dtype=jnp.float16))(w, x, n)
+  assert [a.dtype for a in got] == [a.dtype for a in ref]  # outputs cast back
+  np.testing.assert_allclose(got[0], ref[0], rtol=1e-2)
+  assert int(got[2]) == 4
+
+  # Gradients through the custom_jvp, the scan and the cond (JAX itself does
+  # not differentiate a while_loop in reverse mode).
+  def g(w):
+    h = softplus(x @ w)
+    h = lax.scan(lambda c, r: (c + r, c * 2.0), jnp.zeros(h.shape[1]), h)[0]
+    return lax.cond(h.sum() > 0, lambda v: v * 2.0, lambda v: -v, h).sum()
+
+  gw = jax.grad(ols.autocast(g, compute_dtype=jnp.float16))(w)
+  np.testing.assert_allclose(gw, jax.grad(g)(w), rtol=2e-2, atol=1e-3)
+
+
+def test_vmap_over_the_rewritten_function():
+  f = lambda w, x: jnp.tanh(x @ w).sum()
+  w = jnp.ones((3, 2)) / 3
+  xs = jnp.asarray(np.random.default_rng(3).normal(size=(5, 4, 3)), jnp.float32)
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  batched = jax.vmap(fast, in_axes=(None, 0))(w, xs)
+  one_by_one = jnp.stack([fast(w, x) for x in xs])
+  np.testing.assert_allclose(batched, one_by_one, rtol=1e-6)
+  np.testing.assert_allclose(batched, jax.vmap(f, in_axes=(None, 0))(w, xs), rtol=1e-2)
+
+
+def test_unsupported_primitive_is_named():
+  mesh = jax.make_mesh((1,), ("d",))
+
+  def f(x):
+    return jax.shard_map(lambda y: y * 2, mesh=mesh, in_specs=P(), out_specs=P())(x)
+
+  with pytest.raises(NotImplementedError, match="shard_map"):
+    ols.autocast(f, compute_dtype=jnp.float16)(jnp.ones(3))
+
+
+def test_enable_mixed_precision():
+  loss, params, x = _setup("mlp")
+  fast, tx = ols.enable_mixed_precision(
+    loss, optax.adam(1e-3), compute_dtype=jnp.float16, growth_interval=10
+  )
+  state = tx.init(params)
+  assert float(ols.get_scale(state)) == 2.0**15
+  lv, grads = ols.value_and_grad(fast)(state, params, x)
+  updates, state = tx.update(grads, state, params)
+  assert int(state.good_steps) == 1
+  fast, tx = ols.enable_mixed_precision(
+    loss, optax.adam(1e-3), compute_dtype=jnp.bfloat16
+  )
+  assert float(ols.get_scale(tx.init(params))) == 1.0  # NoOpLossScale
+  with pytest.raises(ValueError, match="does not need loss scaling"):
+    ols.enable_mixed_precision(
+      loss, optax.adam(1e-3), compute_dtype=jnp.bfloat16, growth_interval=10
+    )
+
+
+def test_custom_vjp_body_is_rewritten():
+  @jax.custom_vjp
+  def scaled_tanh(x):
+    return jnp.tanh(x) * 3.0
+
+  scaled_tanh.defvjp(
+    lambda x: (scaled_tanh(x), x), lambda x, g: (g * 3.0 * (1 - jnp.tanh(x) ** 2),)
+  )
+
+  def f(w, x):
+    return jnp.sum(scaled_tanh(x @ w))
+
+  w = jnp.asarray(np.random.default_rng(4).normal(size=(3, 2)), jnp.float32)
+  x = jnp.asarray(np.random.default_rng(5).normal(size=(4, 3)), jnp.float32)
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  jaxpr = jax.make_jaxpr(fast)(w, x).jaxpr
+  dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+  assert dots and dots[0].invars[0].aval.dtype == F16
+  np.testing.assert_allclose(fast(w, x), f(w, x), rtol=1e-2)
+  np.testing.assert_allclose(
+    jax.grad(fast)(w, x), jax.grad(f)(w, x), rtol=2e-2, atol=1e-3
+  )
