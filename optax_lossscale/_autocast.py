@@ -24,12 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _policy
-
-try:
-  from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
-except ImportError:  # older JAX
-  from jax.core import ClosedJaxpr, Jaxpr, Literal
+from optax_lossscale import _jaxpr, _policy
+from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr, Literal
 
 #: Run in the half dtype.
 ALLOW_LIST = frozenset(
@@ -198,28 +194,10 @@ def _cast(x, dtype):
 
 
 def _eval(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], rules: _Rules):
-  env: dict[Any, Any] = {}
+  def eval_eqn(eqn, invals):
+    return _eval_eqn(eqn, [jnp.asarray(x) for x in invals], rules)
 
-  def read(v):
-    return v.val if isinstance(v, Literal) else env[v]
-
-  for v, x in zip(jaxpr.constvars, consts, strict=True):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, args, strict=True):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    invals = [jnp.asarray(read(v)) for v in eqn.invars]
-    outs = _eval_eqn(eqn, invals, rules)
-    for v, x in zip(eqn.outvars, outs, strict=True):
-      env[v] = x
-  return [read(v) for v in jaxpr.outvars]
-
-
-def _bind_params(eqn):
-  params = eqn.primitive.get_bind_params(eqn.params)
-  if isinstance(params, tuple):  # JAX < 0.7: (subfuns, params)
-    return params
-  return [], params
+  return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
 
 
 def _closed(j) -> tuple[Jaxpr, list[Any]]:
@@ -263,18 +241,16 @@ def _first_order(eqn, invals, rules: _Rules):
   half = rules.half
   original = [v.aval.dtype for v in eqn.invars]
   floating = [i for i, x in enumerate(invals) if _is_float(x.dtype)]
-  subfuns, params = _bind_params(eqn)
-  params = dict(params)
+  params = {}
 
   if name == "convert_element_type":
     # A conversion the function writes keeps its target dtype.
     targets = {}
   elif kind == "allow":
     targets = {i: half for i in floating}
-    for key in ("preferred_element_type",):
-      pet = params.get(key)
-      if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize >= 4:
-        params[key] = half
+    pet = eqn.params.get("preferred_element_type")
+    if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize >= 4:
+      params["preferred_element_type"] = half
   elif kind == "deny":
     targets = {i: original[i] for i in floating if _is_float(original[i])}
   else:  # infer and clear: half only if every (non-follower) float input is
@@ -289,8 +265,7 @@ def _first_order(eqn, invals, rules: _Rules):
         if _is_float(original[i])
       }
   invals = [_cast(x, targets[i]) if i in targets else x for i, x in enumerate(invals)]
-  out = eqn.primitive.bind(*subfuns, *invals, **params)
-  return out if eqn.primitive.multiple_results else [out]
+  return _jaxpr.bind(eqn, invals, params)
 
 
 def _match(values, dtypes):

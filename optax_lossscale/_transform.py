@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -12,12 +11,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_lossscale import _core
-
-try:  # the jaxpr types, for evaluating an update's jaxpr
-  from jax.extend.core import DropVar, Literal, Var
-except ImportError:  # older JAX
-  from jax.core import DropVar, Literal, Var
+from optax_lossscale import _core, _jaxpr
 
 
 class LossScaleState(NamedTuple):
@@ -132,43 +126,26 @@ def _update_on_selected_state(
   # first one, should two leaves be the same value).
   first_leaf: dict[Any, int] = {}
   for i, var in enumerate(state_outvars):
-    if isinstance(var, Var) and var not in first_leaf:
+    if isinstance(var, _jaxpr.Var) and var not in first_leaf:
       first_leaf[var] = i
 
-  env: dict[Any, Any] = {}
   unselected: dict[Any, Any] = {}
 
-  def read(v):
-    return v.val if isinstance(v, Literal) else env[v]
+  def select_new_state(v, x):
+    if v in first_leaf:  # a new state leaf: selected where it is made
+      unselected[v] = x
+      return select(x, old_state[first_leaf[v]])
+    return x
 
-  for v, x in zip(jaxpr.constvars, closed.consts, strict=True):
-    env[v] = x
-  for v, x in zip(jaxpr.invars, leaves, strict=True):
-    env[v] = x
-  for eqn in jaxpr.eqns:
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: list[Any] = []
-    if isinstance(bind_params, tuple):  # JAX < 0.7: (subfuns, params)
-      subfuns, bind_params = bind_params
-    context = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
-    with context:
-      out = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
-    out = out if eqn.primitive.multiple_results else [out]
-    for v, x in zip(eqn.outvars, out, strict=True):
-      if isinstance(v, DropVar):
-        continue
-      if v in first_leaf:  # a new state leaf: selected where it is made
-        unselected[v] = x
-        x = select(x, old_state[first_leaf[v]])
-      env[v] = x
-  updates_flat = [read(v) for v in jaxpr.outvars[:n_updates]]
+  outs = _jaxpr.evaluate(jaxpr, closed.consts, leaves, on_output=select_new_state)
+  updates_flat = outs[:n_updates]
   state_flat = []
-  for i, v in enumerate(state_outvars):
-    made_here = isinstance(v, Var) and v in unselected
+  for i, (v, x) in enumerate(zip(state_outvars, outs[n_updates:], strict=True)):
+    made_here = isinstance(v, _jaxpr.Var) and v in unselected
     if made_here and first_leaf[v] == i:
-      state_flat.append(env[v])  # already selected
+      state_flat.append(x)  # already selected
     else:  # passed through, a literal, or a repeated value
-      state_flat.append(select(unselected[v] if made_here else read(v), old_state[i]))
+      state_flat.append(select(unselected[v] if made_here else x, old_state[i]))
   return (
     jax.tree.unflatten(jax.tree.structure(updates_shape), updates_flat),
     jax.tree.unflatten(jax.tree.structure(state_shape), state_flat),

@@ -1,0 +1,69 @@
+"""Evaluating a jaxpr equation by equation, with a hook: the one interpreter.
+
+The skip (``_transform``) and ``autocast`` both re-evaluate a traced
+function's jaxpr and change what some equations compute; this module is the
+loop they share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+try:
+  from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
+except ImportError:  # older JAX
+  from jax.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
+
+__all__ = ["ClosedJaxpr", "DropVar", "Jaxpr", "Literal", "Var", "bind", "evaluate"]
+
+
+def bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list:
+  """Binds ``eqn``'s primitive to ``invals`` (optionally other params)."""
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  subfuns: list[Any] = []
+  if isinstance(bind_params, tuple):  # JAX < 0.7: (subfuns, params)
+    subfuns, bind_params = bind_params
+  if params is not None:
+    bind_params = {**bind_params, **params}
+  context = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
+  with context:
+    out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def evaluate(
+  jaxpr: Jaxpr,
+  consts: Iterable[Any],
+  args: Iterable[Any],
+  eval_eqn: Callable[[Any, list], list] = bind,
+  on_output: Callable[[Any, Any], Any] | None = None,
+) -> list:
+  """The values of ``jaxpr``'s outputs for ``args``.
+
+  Args:
+    jaxpr: an open jaxpr.
+    consts: the values of its constvars.
+    args: the values of its invars.
+    eval_eqn: ``(eqn, input values) -> output values``; default: bind the
+      primitive as it is.
+    on_output: ``(var, value) -> value`` applied to each equation output
+      before anything reads it.
+  """
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, Literal) else env[v]
+
+  for v, x in zip(jaxpr.constvars, consts, strict=True):
+    env[v] = x
+  for v, x in zip(jaxpr.invars, args, strict=True):
+    env[v] = x
+  for eqn in jaxpr.eqns:
+    outs = eval_eqn(eqn, [read(v) for v in eqn.invars])
+    for v, x in zip(eqn.outvars, outs, strict=True):
+      if isinstance(v, DropVar):
+        continue
+      env[v] = on_output(v, x) if on_output is not None else x
+  return [read(v) for v in jaxpr.outvars]
