@@ -154,3 +154,30 @@ def test_finite_check_is_not_a_reduction_per_leaf():
   assert bool(ols.all_finite(tree))
   tree[123] = tree[123].at[5].set(jnp.inf)
   assert not bool(ols.all_finite(tree))
+
+
+def test_the_flag_is_not_recomputed_in_every_kernel():
+  """Every kernel reads the finite flag from one reduction, not from all of them.
+
+  A flag computed as a sum of per-chunk scalars was duplicated by XLA into
+  every kernel that selects on it (each reading every chunk's reduction),
+  which made compile time grow quadratically with the number of leaves.
+  """
+  params = [jnp.ones((1024,)) for _ in range(256)]  # 8 chunks of 32 leaves
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3))
+  hlo = _compiled(tx, params, params).as_text()
+  entry = hlo[hlo.index("ENTRY") :]
+  reductions = set(re.findall(r"^\s*(?:ROOT )?(%\S*(?:reduce|ynn)\S*) =", entry, re.M))
+  assert len(reductions) >= 8
+  # Only the kernel that adds the other chunks' sums into the last chunk
+  # reads several reductions; every other kernel reads at most the flag.
+  readers = []
+  for line in entry.splitlines():
+    if " fusion(" in line and not re.match(r"^\s*(?:ROOT )?%\S*(?:reduce|ynn)", line):
+      operands = line.split(" fusion(", 1)[1].split(")", 1)[0]
+      read = [
+        r for r in reductions if re.search(re.escape(r) + r"(?=[,\s]|$)", operands)
+      ]
+      if len(read) > 1:
+        readers.append(line[:120])
+  assert len(readers) <= 1, readers
