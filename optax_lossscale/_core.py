@@ -268,18 +268,19 @@ def all_finite(tree: Any) -> jax.Array:
       for z in chunk[1:]:
         total = total + z
       chunks.append(total)
-  if not chunks:
+  nonempty = [c for c in chunks if c.size]
+  if not nonempty:
     return jnp.array(True)
-  # The other chunks' sums (0 or NaN) are added into the last chunk before it
-  # is reduced, so that the flag is the output of one reduction. Were it a
-  # sum of scalars, XLA would duplicate that cheap sum into every kernel that
-  # reads the flag (each select of the skip): with thousands of leaves the
-  # compile time grew quadratically (BENCHMARKS.md).
-  others = [jnp.sum(c).astype(_F32) for c in chunks[:-1]]
-  last = chunks[-1]
+  # The other chunks' sums (0 or NaN) are added into the smallest non-empty
+  # chunk before it is reduced, so that the flag is the output of one
+  # reduction. Were it a sum of scalars, XLA would duplicate that cheap sum
+  # into every kernel that reads the flag (each select of the skip): with
+  # thousands of leaves the compile time grew quadratically (BENCHMARKS.md).
+  receiver = min(nonempty, key=lambda c: c.size)
+  others = [jnp.sum(c).astype(_F32) for c in nonempty if c is not receiver]
   if others:
-    last = last + jnp.sum(jnp.stack(others)).astype(last.dtype)
-  return jnp.isfinite(jnp.sum(last))
+    receiver = receiver + jnp.sum(jnp.stack(others)).astype(receiver.dtype)
+  return jnp.isfinite(jnp.sum(receiver))
 
 
 def unscale(tree: Any, loss_scale: jax.Array) -> Any:

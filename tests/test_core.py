@@ -359,3 +359,21 @@ def test_reduce_flag_over_vmap_axis():
   assert not bool(out.any())
   out = jax.vmap(lambda f: _core.reduce_flag(f, "i"), axis_name="i")(jnp.ones(3, bool))
   assert bool(out.all())
+
+
+def test_all_finite_with_empty_leaves():
+  assert bool(ols.all_finite([jnp.zeros((0,)), jnp.zeros((0, 3))]))
+  assert not bool(ols.all_finite([jnp.array([jnp.nan]), jnp.zeros((0,))]))
+  assert not bool(ols.all_finite([jnp.zeros((0,)), jnp.array([1.0, jnp.inf])]))
+  # Several sizes, the non-finite entry in each position in turn.
+  tree = [
+    jnp.ones((5,)),
+    jnp.ones((3, 2)),
+    jnp.zeros((0,)),
+    jnp.ones((7,), jnp.float16),
+  ]
+  assert bool(jax.jit(ols.all_finite)(tree))
+  for i in (0, 1, 3):
+    bad = list(tree)
+    bad[i] = bad[i].ravel().at[0].set(jnp.nan).reshape(bad[i].shape)
+    assert not bool(jax.jit(ols.all_finite)(bad)), i
