@@ -182,7 +182,7 @@ class _Rules:
 
 
 def _follower(var, val) -> bool:
-  """A literal or weakly-typed scalar: it adopts the dtype of the others."""
+  """A literal, a weakly-typed value or a 0-d scalar: it follows the others."""
   if isinstance(var, Literal):
     return True
   aval = getattr(var, "aval", None)
@@ -349,7 +349,8 @@ def autocast(
   rewritten primal), ``checkpoint``, ``scan``, ``while_loop`` and ``cond``,
   and works under ``jax.jit``, ``jax.grad`` (float32 inputs get float32
   gradients) and ``jax.vmap``. A conversion ``fun`` writes itself keeps its
-  target dtype; literals and weakly-typed scalars follow the other inputs.
+  target dtype; literals, weakly-typed values and 0-d scalars follow the
+  other inputs.
 
   Args:
     fun: the function, written for float32.

@@ -312,6 +312,11 @@ def scale_value(loss: Any, loss_scale: jax.Array) -> jax.Array:
   return loss.astype(dtype) * jnp.asarray(loss_scale, _F32).astype(dtype)
 
 
+def select(pred: jax.Array, on_true: jax.Array, on_false: Any) -> jax.Array:
+  """``lax.select`` of one array, ``on_false`` taken in ``on_true``'s dtype."""
+  return lax.select(pred, on_true, jnp.asarray(on_false, on_true.dtype))
+
+
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   """``on_true`` where ``pred`` else ``on_false``, leaf by leaf.
 
@@ -321,7 +326,7 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
   def one(a, b):
     if is_array(a) and a.dtype != jax.dtypes.float0:
-      return lax.select(pred, a, jnp.asarray(b, a.dtype))
+      return select(pred, a, b)
     return a
 
   return jax.tree.map(one, on_true, on_false)

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from optax_lossscale import _core, _jaxpr
 
@@ -119,9 +118,6 @@ def _update_on_selected_state(
       "the one it was given."
     )
 
-  def select(new, old):
-    return lax.select(should_apply, new, jnp.asarray(old, new.dtype))
-
   # Each equation output that is a new state leaf, with the leaf's index (the
   # first one, should two leaves be the same value).
   first_leaf: dict[Any, int] = {}
@@ -134,7 +130,7 @@ def _update_on_selected_state(
   def select_new_state(v, x):
     if v in first_leaf:  # a new state leaf: selected where it is made
       unselected[v] = x
-      return select(x, old_state[first_leaf[v]])
+      return _core.select(should_apply, x, old_state[first_leaf[v]])
     return x
 
   outs = _jaxpr.evaluate(jaxpr, closed.consts, leaves, on_output=select_new_state)
@@ -145,7 +141,8 @@ def _update_on_selected_state(
     if made_here and first_leaf[v] == i:
       state_flat.append(x)  # already selected
     else:  # passed through, a literal, or a repeated value
-      state_flat.append(select(unselected[v] if made_here else x, old_state[i]))
+      raw = unselected[v] if made_here else x
+      state_flat.append(_core.select(should_apply, raw, old_state[i]))
   return (
     jax.tree.unflatten(jax.tree.structure(updates_shape), updates_flat),
     jax.tree.unflatten(jax.tree.structure(state_shape), state_flat),
