@@ -408,7 +408,8 @@ def plot_sweep(results, path):
   plt.close(fig)
 
 
-def train_steps(calls):
+def train_cases():
+  """The train-step workloads: ``{name: (flax model, inputs, labels)}``."""
   import flax.linen as nn
 
   class MLP(nn.Module):
@@ -451,6 +452,11 @@ def train_steps(calls):
       rng.integers(0, 512, (16, 64)).astype(np.int32),
     ),
   }
+  return cases
+
+
+def train_steps(calls):
+  cases = train_cases()
   lines = [
     "| model | no loss scaling | + an unused finite check "
     "| dynamic_loss_scale | overhead | unused check's overhead |",

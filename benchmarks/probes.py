@@ -1,0 +1,172 @@
+"""Probes behind BENCHMARKS.md's "What one extra read costs on this machine".
+
+Not part of the report's tables; each probe prints what it measured:
+
+* read: the finite check alone on the update step's gradients, not in
+  cache (8 gradient trees in rotation), chunked in several ways; and a
+  reduction of a 256 MB array against an in-place ``x * c`` over it.
+* mlp: XLA's bytes for the MLP train step of ``bench.py`` with the finite
+  check written in several ways, against no check: whether any of them
+  reads the transposed weight gradients in place.
+
+Run:  python benchmarks/probes.py [read] [mlp]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import bench
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+import optax_lossscale as ols
+from optax_lossscale import _core
+
+
+def _median_ms(fn, args_cycle, calls=60, warmup=8):
+  times = []
+  for i in range(warmup + calls):
+    args = args_cycle[i % len(args_cycle)]
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    if i >= warmup:
+      times.append(time.perf_counter() - t)
+  return statistics.median(times) * 1e3
+
+
+def _with_chunk(size):
+  def check(tree):
+    old, _core.FINITE_CHECK_CHUNK = _core.FINITE_CHECK_CHUNK, size
+    try:
+      return _core.all_finite(tree)
+    finally:
+      _core.FINITE_CHECK_CHUNK = old
+
+  return check
+
+
+def _two_stage(tree):
+  groups = {}
+  for x in jax.tree.leaves(tree):
+    z = jnp.ravel(x - x)
+    groups.setdefault(z.size, []).append(z)
+  parts = []
+  for zs in groups.values():
+    total = zs[0]
+    for z in zs[1:]:
+      total = total + z
+    rows = 64 if total.size % 64 == 0 else 1
+    parts.append(jnp.sum(jnp.sum(total.reshape(rows, -1), axis=1)))
+  return jnp.isfinite(sum(parts))
+
+
+def probe_read():
+  params = bench.layers()
+  trees = [(bench.scaled(bench.grads_like(params, seed=s)),) for s in range(8)]
+  print("finite check alone, 33.6 MB of gradients not in cache:")
+  for name, check in [
+    ("32 leaves per reduction (ours)", _with_chunk(32)),
+    ("16 leaves per reduction", _with_chunk(16)),
+    ("8 leaves per reduction", _with_chunk(8)),
+    ("2 leaves per reduction", _with_chunk(2)),
+    ("two-stage reduction", _two_stage),
+  ]:
+    compiled = jax.jit(check).lower(*trees[0]).compile()
+    print(f"  {name}: {_median_ms(compiled, trees):.3f} ms")
+  n = 64 * 2**20
+  x = jnp.asarray(np.random.default_rng(0).normal(size=n).astype(np.float32))
+  reduce = jax.jit(lambda x: jnp.isfinite(jnp.sum(x - x)))
+  print(f"256 MB: reduction {_median_ms(reduce, [(x,)]):.2f} ms", end="")
+  scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
+  y = [jnp.copy(x)]
+
+  def in_place():
+    y[0] = scale(y[0])
+    return y[0]
+
+  print(f", in-place x * c {_median_ms(lambda: in_place(), [()]):.2f} ms")
+
+
+def _fold(a, b):
+  return a + (b - b)
+
+
+def _per_leaf(tree):
+  return jnp.isfinite(sum(jnp.sum(x - x) for x in jax.tree.leaves(tree)))
+
+
+def _sum_of_transpose(tree):
+  leaves = [x.T if x.ndim == 2 else x for x in jax.tree.leaves(tree)]
+  return jnp.isfinite(sum(jnp.sum(x - x) for x in leaves))
+
+
+def _custom_reducer(tree):
+  parts = []
+  for x in jax.tree.leaves(tree):
+    r = lax.reduce(x, np.zeros((), x.dtype), _fold, tuple(range(x.ndim)))
+    parts.append(r - r)
+  return jnp.isfinite(sum(parts))
+
+
+def _zeros_matvec(tree):
+  parts = []
+  for x in jax.tree.leaves(tree):
+    if x.ndim == 2:
+      zeros = lax.optimization_barrier(jnp.zeros((x.shape[1],), x.dtype))
+      parts.append(jnp.sum(x @ zeros))
+    else:
+      parts.append(jnp.sum(x - x))
+  return jnp.isfinite(sum(parts))
+
+
+def probe_mlp():
+  model, x, y = bench.train_cases()["MLP 784-1024-1024-1024-10, batch 256"]
+  x, y = jnp.asarray(x), jnp.asarray(y)
+  params = model.init(jax.random.key(0), x)["params"]
+  grad_mb = sum(p.nbytes for p in jax.tree.leaves(params)) / 1e6
+  tx = optax.adam(bench.LR)
+
+  def loss_fn(p):
+    logits = model.apply({"params": p}, x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  def step_with(check):
+    def step(p, s):
+      g = jax.grad(loss_fn)(p)
+      u, s = tx.update(g, s, p)
+      out = (optax.apply_updates(p, u), s)
+      return out if check is None else (*out, check(g))
+
+    return step
+
+  print(f"MLP train step, {grad_mb:.1f} MB of gradients; bytes accessed:")
+  for name, check in [
+    ("no check", None),
+    ("ours (all_finite)", ols.all_finite),
+    ("one reduction per leaf", _per_leaf),
+    ("sum of the transpose", _sum_of_transpose),
+    ("custom reducer a + (b - b)", _custom_reducer),
+    ("matrix-vector product with zeros", _zeros_matvec),
+  ]:
+    compiled = jax.jit(step_with(check)).lower(params, tx.init(params)).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    print(f"  {name}: {cost['bytes accessed'] / 1e6:.1f} MB")
+
+
+def main(argv):
+  which = argv or ["read", "mlp"]
+  if "read" in which:
+    probe_read()
+  if "mlp" in which:
+    probe_mlp()
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,79 @@
+"""benchmarks/bench.py's measuring helpers and reference steps (no timing asserted)."""
+
+import importlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import optax_lossscale as ols
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam
+
+_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+
+
+@pytest.fixture(scope="module")
+def bench():
+  sys.path.insert(0, _BENCH)
+  try:
+    yield importlib.import_module("bench")
+  finally:
+    sys.path.remove(_BENCH)
+
+
+def _small():
+  params = {"w": jnp.ones((64, 32)), "b": jnp.zeros((32,))}
+  return params, {"w": jnp.full((64, 32), 1e-3), "b": jnp.full((32,), 1e-3)}
+
+
+def test_measure_many_runs_rounds_and_carries_donated_state(bench):
+  params, grads = _small()
+  bare, ours = bench.measure_many(
+    [bench.bare_adam(params, grads), bench.ours(params, grads)], calls=2, rounds=3
+  )
+  for r in (bare, ours):
+    assert len(r["round_medians_s"]) == 3
+    assert r["median_s"] == min(r["round_medians_s"])
+    assert r["bytes"] > 0 and r["temp_bytes"] >= 0
+  # 3 rounds of (3 warm-up + 2) calls, each call's output fed to the next.
+  p, state = ours["carry"]
+  assert int(ols.diagnostics(state)["good_steps"]) == 15
+  assert not jnp.array_equal(p["w"], params["w"])
+  # The caller's arrays survive donation (measure_many copies them first).
+  assert jnp.array_equal(params["w"], jnp.ones((64, 32)))
+
+
+def test_the_unused_check_reference_has_our_bytes(bench):
+  """Ours reads what bare Adam plus one finite check reads, and its scalars.
+
+  On the report's workload (8.4M parameters in 64 leaves): small arrays are
+  fused differently and do not show the floor.
+  """
+  params = bench.layers()
+  grads = bench.grads_like(params)
+  unused, ours = (
+    bench.measure(*make(params, grads), calls=1, rounds=1)
+    for make in (bench.bare_adam_and_read, bench.ours)
+  )
+  bare = bench.measure(*bench.bare_adam(params, grads), calls=1, rounds=1)
+  grad_bytes = sum(g.nbytes for g in jax.tree.leaves(grads))
+  # One more read of the gradients, plus the reduction's small partial sums.
+  assert unused["bytes"] - bare["bytes"] == pytest.approx(grad_bytes, rel=1e-3)
+  # Beyond that, only scalars (the loss scale's state, the unscale factor) and
+  # their small kernels: a few KB against 33.6 MB of gradients.
+  assert 0 <= ours["bytes"] - unused["bytes"] <= 4096
+  flag = unused["carry"][2]
+  assert flag.dtype == jnp.bool_ and bool(flag)
+
+
+@pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")
+def test_train_cases_build(bench):
+  cases = bench.train_cases()
+  assert len(cases) == 2
+  for model, x, y in cases.values():
+    params = jax.eval_shape(lambda m=model, x=x: m.init(jax.random.key(0), x))
+    assert jax.tree.leaves(params)
+    assert x.shape[0] == y.shape[0]
