@@ -683,7 +683,8 @@ def finite_checks(calls, counts, total=2**23):
     return jnp.isfinite(sum(jnp.sum(x - x) for x in jax.tree.leaves(tree)))
 
   lines = [
-    f"The finite check alone on {total / 2**20:.0f}M float32 entries in equal leaves.",
+    f"The finite check alone on {total / 2**20:.0f}M float32 entries in equal "
+    f"leaves; each time is the median of {calls} calls (one round).",
     "",
     "| leaves | per-leaf reductions: compile | step | ours: compile | step |",
     "| ---: | ---: | ---: | ---: | ---: |",
@@ -771,8 +772,8 @@ def main(argv=None):
   md = [
     f"Machine: {info['device']} ({info['cpu']}); Python {info['python']}; "
     + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
-    + f"; commit {info['commit']}; median of {args.calls} calls after 3 warm-up "
-    "calls.",
+    + f"; commit {info['commit']}; each time: the smallest of 3 interleaved "
+    f"rounds' medians of {args.calls} calls, after 3 warm-up calls per round.",
     "",
   ]
   results = {"machine": info}
