@@ -97,10 +97,6 @@ def _fold(a, b):
   return a + (b - b)
 
 
-def _per_leaf(tree):
-  return jnp.isfinite(sum(jnp.sum(x - x) for x in jax.tree.leaves(tree)))
-
-
 def _sum_of_transpose(tree):
   leaves = [x.T if x.ndim == 2 else x for x in jax.tree.leaves(tree)]
   return jnp.isfinite(sum(jnp.sum(x - x) for x in leaves))
@@ -149,7 +145,7 @@ def probe_mlp():
   for name, check in [
     ("no check", None),
     ("ours (all_finite)", ols.all_finite),
-    ("one reduction per leaf", _per_leaf),
+    ("one reduction per leaf", bench.per_leaf_check),
     ("sum of the transpose", _sum_of_transpose),
     ("custom reducer a + (b - b)", _custom_reducer),
     ("matrix-vector product with zeros", _zeros_matvec),
