@@ -2,8 +2,8 @@
 
 One run measures, side by side, XLA's cost analysis ("bytes accessed" of the
 compiled step), the median wall time over ``--calls`` calls after warm-up
-(buffers donated, each call's outputs fed to the next) and XLA's temporary
-memory, for:
+(buffers donated, each call's outputs fed to the next; the steps of a table
+called in turn, see :func:`measure_many`) and XLA's temporary memory, for:
 
 * headline: the update step (optimizer update + apply) of
   ``dynamic_loss_scale(optax.adam)`` on 8.4M float32 parameters in 64 leaves,
@@ -48,6 +48,10 @@ from optax_lossscale import _core, _transform  # noqa: E402
 
 SCALE = 2.0**10
 LR = 1e-3
+TIMING = (
+  "The steps of a table are called in turn, in a random order each turn (no "
+  "step twice in a row); each time is the smallest of 3 rounds' medians."
+)
 
 
 # --------------------------------------------------------------------------
@@ -55,14 +59,21 @@ LR = 1e-3
 # --------------------------------------------------------------------------
 
 
-def measure_many(entries, calls, rounds=3, warmup=3):
+def measure_many(entries, calls, rounds=3, warmup=3, seed=0):
   """Compiles each ``(step, carry, grads)`` (``carry`` donated) and times them.
 
-  The steps are timed in ``rounds`` interleaved rounds of ``calls`` calls
-  each (after ``warmup`` calls per round), so that the machine's slow drifts
-  hit every step alike. A step's time is the smallest of its round medians:
-  noise on a shared machine only ever adds time. ``carry`` is copied first:
-  donation deletes the buffers it is given.
+  The steps are called in turn, one call each, in a new random order every
+  turn (seeded), drawn so that no step runs twice in a row (given two steps
+  or more). Each call then finds the caches holding another program's data,
+  as an update step does in training (the forward and backward passes run
+  between two updates); slow drifts of the machine hit every step alike;
+  and each step follows every other step equally often on average (a step
+  pays for the memory writes its predecessor left behind: in a fixed order,
+  the step after the heaviest one would always pay the most). A round is
+  ``warmup + calls`` such turns; a
+  step's time is the smallest of its ``rounds`` round medians (over the last
+  ``calls`` calls): noise on a shared machine only ever adds time. ``carry``
+  is copied first: donation deletes the buffers it is given.
   """
   out = []
   for step, carry, grads in entries:
@@ -84,26 +95,28 @@ def measure_many(entries, calls, rounds=3, warmup=3):
         "grads": grads,
       }
     )
+  rng = np.random.default_rng(seed)
+  last = None
   for _ in range(rounds):
-    for r in out:
-      carry, times = r["carry"], []
-      for i in range(warmup + calls):
+    times = [[] for _ in out]
+    for i in range(warmup + calls):
+      order = rng.permutation(len(out))
+      while len(out) > 1 and order[0] == last:
+        order = rng.permutation(len(out))
+      last = order[-1]
+      for k in order:
+        r = out[k]
         t = time.perf_counter()
-        carry = r["compiled"](carry, r["grads"])
-        jax.block_until_ready(carry)
+        r["carry"] = r["compiled"](r["carry"], r["grads"])
+        jax.block_until_ready(r["carry"])
         if i >= warmup:
-          times.append(time.perf_counter() - t)
-      r["carry"] = carry
-      r["round_medians_s"].append(statistics.median(times))
+          times[k].append(time.perf_counter() - t)
+    for r, ts in zip(out, times, strict=True):
+      r["round_medians_s"].append(statistics.median(ts))
   for r in out:
     r["median_s"] = min(r["round_medians_s"])
     del r["compiled"], r["grads"]
   return out
-
-
-def measure(step, carry, grads, calls, rounds=3):
-  """:func:`measure_many` for one step."""
-  return measure_many([(step, carry, grads)], calls, rounds)[0]
 
 
 def layers(n_layers=16, width=512, dtype=jnp.float32):
@@ -274,6 +287,7 @@ def keras_adam(params, grads):
 
 UPDATE_STEPS = {
   "optax.adam (no loss scaling)": bare_adam,
+  "optax.adam again: a second compiled instance (the noise)": bare_adam,
   "optax.adam + an unused finite check (nothing waits on it)": bare_adam_and_read,
   "**optax_lossscale.dynamic_loss_scale(adam)**": ours,
   "optax.apply_if_finite(adam)": apply_if_finite,
@@ -310,8 +324,7 @@ def headline(calls):
   lines = [
     f"Update step (update + apply, buffers donated), {n / 1e6:.1f}M float32 "
     f"parameters in {len(jax.tree.leaves(params))} leaves; ratios to bare "
-    "optax.adam fed the same unscaled gradients. Each time is the smallest "
-    "median of 3 interleaved rounds.",
+    f"optax.adam fed the same unscaled gradients. {TIMING}",
     "",
     "| update step | bytes accessed | ratio | median time | ratio | XLA temp memory |",
     "| --- | ---: | ---: | ---: | ---: | ---: |",
@@ -362,25 +375,32 @@ def dtypes(calls):
 def leaves_sweep(calls, counts, total=2**23):
   results = []
   lines = [
-    f"{total / 2**20:.0f}M float32 parameters split into equal leaves.",
+    f"{total / 2**20:.0f}M float32 parameters split into equal leaves. "
+    '"adam again" is a second compiled instance of bare Adam, timed with the '
+    f"others: its ratio to the first is the noise of that row. {TIMING}",
     "",
-    "| leaves | compile: adam | compile: ours | step: adam | step: ours | step ratio |",
-    "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    "| leaves | compile: adam | compile: ours | step: adam | step: ours | step ratio "
+    "| step: adam again | ratio |",
+    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
   for count in counts:
     n = total // count
     keys = jax.random.split(jax.random.key(0), count)
     params = [jax.random.normal(k, (n,)) for k in keys]
     grads = [p * 1e-3 for p in params]
-    b, o = measure_many(
-      [bare_adam(params, grads), ours(params, grads)], calls, rounds=3
+    b, o, b2 = measure_many(
+      [bare_adam(params, grads), ours(params, grads), bare_adam(params, grads)],
+      calls,
+      rounds=3,
     )
-    b.pop("carry"), o.pop("carry")
-    results.append({"leaves": count, "bare": b, "ours": o})
+    for r in (b, o, b2):
+      r.pop("carry")
+    results.append({"leaves": count, "bare": b, "ours": o, "bare_again": b2})
     lines.append(
       f"| {count} | {b['compile_s']:.2f} s | {o['compile_s']:.2f} s "
       f"| {b['median_s'] * 1e3:.2f} ms | {o['median_s'] * 1e3:.2f} ms "
-      f"| {o['median_s'] / b['median_s']:.3f} |"
+      f"| {o['median_s'] / b['median_s']:.3f} | {b2['median_s'] * 1e3:.2f} ms "
+      f"| {b2['median_s'] / b['median_s']:.3f} |"
     )
     print(f"  {count} leaves done", flush=True)
   return results, lines
@@ -515,8 +535,7 @@ def train_steps(calls):
     print(f"  {name} done", flush=True)
   lines += [
     "",
-    "Each time is the smallest median of 3 interleaved rounds; bytes are XLA's "
-    "cost analysis of the whole step.",
+    f"{TIMING} Bytes are XLA's cost analysis of the whole step.",
   ]
   return out, lines
 
@@ -599,7 +618,6 @@ def designs(calls):
   bad = dict(grads)
   bad["layer00"] = {**grads["layer00"], "b1": grads["layer00"]["b1"].at[0].set(jnp.nan)}
   adam = lambda: optax.adam(LR)  # noqa: E731
-  base = measure(*bare_adam(params, grads), calls)
   candidates = [
     ("**ours**: select each new state leaf where it is made", lambda: None),
     (
@@ -615,31 +633,35 @@ def designs(calls):
       lambda: cond_dynamic_loss_scale(adam(), initial_scale=SCALE),
     ),
   ]
-  lines = [
-    f"Same workload as the update step; bare optax.adam: {base['bytes'] / 1e6:.1f} "
-    f"MB, {base['median_s'] * 1e3:.2f} ms.",
-    "",
-    "| design | gradients | bytes ratio | time ratio | XLA temp memory |",
-    "| --- | --- | ---: | ---: | ---: |",
-  ]
-  out = {"bare": {k: v for k, v in base.items() if k != "carry"}}
+  cases = []
   for label, tx_fn in candidates:
     kinds = (("finite", grads), ("non-finite", bad))
     if "unscaled" in label:
       kinds = kinds[:1]
-    for kind, g in kinds:
-      r = measure(*ours(params, g, tx=tx_fn()), calls)
-      r.pop("carry")
-      out[f"{label}, {kind}"] = r
-      lines.append(
-        f"| {label} | {kind} | {r['bytes'] / base['bytes']:.3f} "
-        f"| {r['median_s'] / base['median_s']:.3f} | {r['temp_bytes'] / 1e6:.2f} MB |"
-      )
-      print(f"  {label} {kind} done", flush=True)
+    cases += [(label, kind, ours(params, g, tx=tx_fn())) for kind, g in kinds]
+  base, *measured = measure_many(
+    [bare_adam(params, grads), *(entry for *_, entry in cases)], calls
+  )
+  base.pop("carry")
+  lines = [
+    f"Same workload as the update step; bare optax.adam: {base['bytes'] / 1e6:.1f} "
+    f"MB, {base['median_s'] * 1e3:.2f} ms. {TIMING}",
+    "",
+    "| design | gradients | bytes ratio | time ratio | XLA temp memory |",
+    "| --- | --- | ---: | ---: | ---: |",
+  ]
+  out = {"bare": base}
+  for (label, kind, _), r in zip(cases, measured, strict=True):
+    r.pop("carry")
+    out[f"{label}, {kind}"] = r
+    lines.append(
+      f"| {label} | {kind} | {r['bytes'] / base['bytes']:.3f} "
+      f"| {r['median_s'] / base['median_s']:.3f} | {r['temp_bytes'] / 1e6:.2f} MB |"
+    )
+  print("  skip designs done", flush=True)
 
   # Finiteness from the global norm that clip_by_global_norm computes anyway.
   chain = lambda: optax.chain(optax.clip_by_global_norm(1.0), adam())  # noqa: E731
-  b = measure(*_plain(chain(), params, grads), calls)
   rows = [
     ("**ours**", ols.dynamic_loss_scale(chain(), initial_scale=SCALE)),
     (
@@ -647,6 +669,11 @@ def designs(calls):
       norm_check_loss_scale(chain(), initial_scale=SCALE),
     ),
   ]
+  b, *measured = measure_many(
+    [_plain(chain(), params, grads), *(ours(params, grads, tx=tx) for _, tx in rows)],
+    calls,
+  )
+  b.pop("carry")
   lines += [
     "",
     "Inside `optax.chain(optax.clip_by_global_norm(1.0), optax.adam)`, which "
@@ -656,8 +683,7 @@ def designs(calls):
     "| finite check | bytes ratio | time ratio |",
     "| --- | ---: | ---: |",
   ]
-  for label, tx in rows:
-    r = measure(*ours(params, grads, tx=tx), calls)
+  for (label, _), r in zip(rows, measured, strict=True):
     r.pop("carry")
     out[f"chain: {label}"] = r
     lines.append(
@@ -774,8 +800,10 @@ def main(argv=None):
   md = [
     f"Machine: {info['device']} ({info['cpu']}); Python {info['python']}; "
     + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
-    + f"; commit {info['commit']}; each time: the smallest of 3 interleaved "
-    f"rounds' medians of {args.calls} calls, after 3 warm-up calls per round.",
+    + f"; commit {info['commit']}; each time: the steps of a table called in "
+    "turn, one call each, in a random order each turn; the smallest of 3 "
+    f"rounds' medians of {args.calls} calls per step, after 3 warm-up calls "
+    "per step and round.",
     "",
   ]
   results = {"machine": info}

@@ -8,8 +8,12 @@ Not part of the report's tables; each probe prints what it measured:
 * mlp: XLA's bytes for the MLP train step of ``bench.py`` with the finite
   check written in several ways, against no check: whether any of them
   reads the transposed weight gradients in place.
+* f16: the finite check alone on float16 and bfloat16 gradients of the
+  update step's workload, as we write it and as a test of the exponent bits
+  of each pair of 16-bit entries read as one 32-bit word (no float16
+  arithmetic), with XLA's bytes for each.
 
-Run:  python benchmarks/probes.py [read] [mlp]
+Run:  python benchmarks/probes.py [read] [mlp] [f16]
 """
 
 from __future__ import annotations
@@ -156,12 +160,54 @@ def probe_mlp():
     print(f"  {name}: {cost['bytes accessed'] / 1e6:.1f} MB")
 
 
+_EXPONENT_BITS = {jnp.dtype(jnp.float16): 0x7C00, jnp.dtype(jnp.bfloat16): 0x7F80}
+
+
+def _pair_bits_check(tree):
+  """Non-finite iff some 16-bit half of a 32-bit word has all exponent bits.
+
+  Exact, but only for leaves of an even size (enough here).
+  """
+  parts = []
+  for x in jax.tree.leaves(tree):
+    e = _EXPONENT_BITS[x.dtype]
+    w = lax.bitcast_convert_type(x.reshape(-1, 2), jnp.uint32)
+    w = w & np.uint32(e | e << 16)
+    bad = ((w & np.uint32(0xFFFF)) == e) | ((w >> 16) == e)
+    parts.append(jnp.sum(bad.astype(jnp.float32)))
+  return sum(parts) == 0
+
+
+def probe_f16():
+  for dtype in (jnp.float16, jnp.bfloat16):
+    params = bench.layers(dtype=dtype)
+    trees = [(bench.scaled(bench.grads_like(params, seed=s)),) for s in range(8)]
+    mb = sum(x.nbytes for x in jax.tree.leaves(trees[0])) / 1e6
+    print(f"finite check alone, {mb:.1f} MB of {jnp.dtype(dtype).name} gradients:")
+    for name, check in [
+      ("ours (all_finite)", ols.all_finite),
+      ("exponent bits of 16-bit pairs", _pair_bits_check),
+    ]:
+      compiled = jax.jit(check).lower(*trees[0]).compile()
+      bad = jax.tree.map(lambda x: x.at[(3,) * x.ndim].set(jnp.inf), trees[0][0])
+      assert bool(compiled(*trees[0])) and not bool(compiled(bad))
+      cost = compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      ms = [_median_ms(compiled, trees) for _ in range(3)]
+      print(
+        f"  {name}: {', '.join(f'{m:.2f}' for m in ms)} ms (3 runs), "
+        f"{cost['bytes accessed'] / 1e6:.1f} MB"
+      )
+
+
 def main(argv):
-  which = argv or ["read", "mlp"]
+  which = argv or ["read", "mlp", "f16"]
   if "read" in which:
     probe_read()
   if "mlp" in which:
     probe_mlp()
+  if "f16" in which:
+    probe_f16()
 
 
 if __name__ == "__main__":

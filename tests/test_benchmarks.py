@@ -29,6 +29,35 @@ def _small():
   return params, {"w": jnp.full((64, 32), 1e-3), "b": jnp.full((32,), 1e-3)}
 
 
+def _logging_step(log, tag):
+  def step(carry, g):
+    jax.debug.callback(lambda: log.append(tag))
+    return jax.tree.map(lambda c, x: c + x, carry, g)
+
+  return step, jnp.zeros(3), jnp.ones(3)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_measure_many_interleaves_calls(bench, n):
+  log = []
+  results = bench.measure_many(
+    [_logging_step(log, k) for k in range(n)], calls=4, rounds=2, warmup=1
+  )
+  assert len(log) == 2 * (1 + 4) * n
+  # One call of each step per turn, never one step twice in a row ...
+  assert all(a != b for a, b in zip(log, log[1:], strict=False))
+  turns = [log[i : i + n] for i in range(0, len(log), n)]
+  assert all(sorted(t) == list(range(n)) for t in turns)
+  # ... in orders that vary (with 2 steps: alternating), each step following
+  # each other one.
+  follows = {(a, b) for a, b in zip(log, log[1:], strict=False)}
+  assert follows == {(a, b) for a in range(n) for b in range(n) if a != b}
+  if n > 2:
+    assert len({tuple(t) for t in turns}) > 1
+  for r in results:
+    assert r["carry"].tolist() == [10.0] * 3  # 2 rounds of 1 + 4 calls
+
+
 def test_measure_many_runs_rounds_and_carries_donated_state(bench):
   params, grads = _small()
   bare, ours = bench.measure_many(
@@ -54,11 +83,12 @@ def test_the_unused_check_reference_has_our_bytes(bench):
   """
   params = bench.layers()
   grads = bench.grads_like(params)
-  unused, ours = (
-    bench.measure(*make(params, grads), calls=1, rounds=1)
-    for make in (bench.bare_adam_and_read, bench.ours)
+  unused, ours = bench.measure_many(
+    [make(params, grads) for make in (bench.bare_adam_and_read, bench.ours)],
+    calls=1,
+    rounds=1,
   )
-  bare = bench.measure(*bench.bare_adam(params, grads), calls=1, rounds=1)
+  (bare,) = bench.measure_many([bench.bare_adam(params, grads)], calls=1, rounds=1)
   grad_bytes = sum(g.nbytes for g in jax.tree.leaves(grads))
   # One more read of the gradients, plus the reduction's small partial sums.
   assert unused["bytes"] - bare["bytes"] == pytest.approx(grad_bytes, rel=1e-3)
