@@ -67,13 +67,13 @@ def measure_many(entries, calls, rounds=3, warmup=3, seed=0):
   or more). Each call then finds the caches holding another program's data,
   as an update step does in training (the forward and backward passes run
   between two updates); slow drifts of the machine hit every step alike;
-  and each step follows every other step equally often on average (a step
-  pays for the memory writes its predecessor left behind: in a fixed order,
-  the step after the heaviest one would always pay the most). A round is
-  ``warmup + calls`` such turns; a
-  step's time is the smallest of its ``rounds`` round medians (over the last
-  ``calls`` calls): noise on a shared machine only ever adds time. ``carry``
-  is copied first: donation deletes the buffers it is given.
+  and each step follows each other step about equally often (a step pays
+  for the memory writes its predecessor left behind: in a fixed order, the
+  step after the heaviest one would always pay the most). A round is
+  ``warmup + calls`` such turns; a step's time is the smallest of its
+  ``rounds`` round medians (over the last ``calls`` calls): noise on a
+  shared machine only ever adds time. ``carry`` is copied first: donation
+  deletes the buffers it is given.
   """
   out = []
   for step, carry, grads in entries:

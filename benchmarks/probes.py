@@ -1,4 +1,4 @@
-"""Probes behind BENCHMARKS.md's "What one extra read costs on this machine".
+"""Probes behind BENCHMARKS.md's explanations of what the tables show.
 
 Not part of the report's tables; each probe prints what it measured:
 
