@@ -342,7 +342,7 @@ def headline(calls):
     f"{ratio(k['bytes'], keras_base['bytes']):.3f}, time "
     f"{ratio(k['median_s'], keras_base['median_s']):.3f}.",
   ]
-  return rows, lines
+  return dict(rows), lines
 
 
 def dtypes(calls):
@@ -807,35 +807,29 @@ def main(argv=None):
     "",
   ]
   results = {"machine": info}
-  if "headline" in sections:
-    print("headline", flush=True)
-    rows, lines = headline(args.calls)
-    results["headline"] = dict(rows)
-    md += ["### Update step", "", *lines, ""]
-  if "dtypes" in sections:
-    print("dtypes", flush=True)
-    results["dtypes"], lines = dtypes(args.calls)
-    md += ["### float16 vs float32", "", *lines, ""]
-  if "leaves" in sections:
-    print("leaves", flush=True)
-    counts = [1, 4, 16, 64, 256, 1024] + ([] if args.quick else [4096])
-    sweep, lines = leaves_sweep(args.calls, counts)
-    results["leaves"] = sweep
+  more = [] if args.quick else [4096]
+
+  def leaves():
+    sweep, lines = leaves_sweep(args.calls, [1, 4, 16, 64, 256, 1024, *more])
     plot_sweep(sweep, os.path.join(args.out, "leaves.png"))
-    md += ["### Number of leaves", "", *lines, ""]
-  if "train" in sections:
-    print("train steps", flush=True)
-    results["train"], lines = train_steps(args.calls)
-    md += ["### Full train step", "", *lines, ""]
-  if "designs" in sections:
-    print("designs", flush=True)
-    results["designs"], lines = designs(args.calls)
-    md += ["### Designs tried", "", *lines, ""]
-  if "finite" in sections:
-    print("finite checks", flush=True)
-    counts = [64, 1024] + ([] if args.quick else [4096])
-    results["finite"], lines = finite_checks(args.calls, counts)
-    md += ["### The finite check alone", "", *lines, ""]
+    return sweep, lines
+
+  titled_sections = {
+    "headline": ("Update step", lambda: headline(args.calls)),
+    "dtypes": ("float16 vs float32", lambda: dtypes(args.calls)),
+    "leaves": ("Number of leaves", leaves),
+    "train": ("Full train step", lambda: train_steps(args.calls)),
+    "designs": ("Designs tried", lambda: designs(args.calls)),
+    "finite": (
+      "The finite check alone",
+      lambda: finite_checks(args.calls, [64, 1024, *more]),
+    ),
+  }
+  for key, (title, run) in titled_sections.items():
+    if key in sections:
+      print(key, flush=True)
+      results[key], lines = run()
+      md += [f"### {title}", "", *lines, ""]
   text = "\n".join(md)
   print("\n" + text)
   with open(os.path.join(args.out, "tables.md"), "w") as f:
