@@ -12,13 +12,26 @@ Not part of the report's tables; each probe prints what it measured:
   update step's workload, as we write it and as a test of the exponent bits
   of each pair of 16-bit entries read as one 32-bit word (no float16
   arithmetic), with XLA's bytes for each.
+* faults: page faults and system time per call of the train steps of
+  ``bench.py`` (unscaled and loss-scaled) and of the update steps of its
+  headline table, each called back to back; the train steps once more after
+  the update steps have run (and freed their temporary memory). Then the
+  same in a new process where glibc's malloc keeps freed memory (one arena,
+  no mmap, no trimming), so that XLA's per-call temporary buffers are reused
+  instead of mapped and faulted in afresh. Not the report's method: glibc's
+  ``posix_memalign`` can then leave holes it never reuses, and a process that
+  allocates large aligned blocks in a loop may grow without bound.
 
-Run:  python benchmarks/probes.py [read] [mlp] [f16]
+Run:  python benchmarks/probes.py [read] [mlp] [f16] [faults]
 """
 
 from __future__ import annotations
 
+import ctypes
+import platform
+import resource
 import statistics
+import subprocess
 import sys
 import time
 
@@ -200,14 +213,78 @@ def probe_f16():
       )
 
 
+def _per_call(name, step, carry, args, calls=20):
+  compiled = jax.jit(step, donate_argnums=0).lower(carry, args).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  carry = jax.tree.map(jnp.copy, carry)
+  for _ in range(3):
+    carry = jax.block_until_ready(compiled(carry, args))
+  before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+  for _ in range(calls):
+    carry = jax.block_until_ready(compiled(carry, args))
+  seconds, after = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+  print(
+    f"  {name}: {temp / 1e6:.1f} MB temporary; per call "
+    f"{seconds / calls * 1e3:.1f} ms, "
+    f"{(after.ru_minflt - before.ru_minflt) / calls:.0f} page faults, "
+    f"{(after.ru_stime - before.ru_stime) / calls * 1e3:.1f} ms system time",
+    flush=True,
+  )
+
+
+def _train_faults():
+  for name, (model, x, y) in bench.train_cases().items():
+    for kind, entry in bench.train_entries(model, x, y).items():
+      if kind != "unused_check":
+        _per_call(f"{name}, {kind}", *entry)
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def _keep_freed_memory():
+  """One arena, no mmap, no trimming; before JAX runs anything."""
+  libc = ctypes.CDLL(None)
+  done = [
+    libc.mallopt(_M_ARENA_MAX, 1),
+    libc.mallopt(_M_MMAP_MAX, 0),
+    libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1),
+  ]
+  assert all(done), done
+
+
+def probe_faults(kept=False):
+  if kept:
+    _keep_freed_memory()
+  how = "malloc keeping freed memory" if kept else "glibc's malloc as it is"
+  print(f"{how}; train steps, first in the process:")
+  _train_faults()
+  print("update steps:")
+  params = bench.layers()
+  grads = bench.grads_like(params)
+  for name, make in bench.UPDATE_STEPS.items():
+    if "again" not in name:
+      _per_call(name, *make(params, grads))
+  print("train steps, after the update steps:")
+  _train_faults()
+  if not kept and platform.libc_ver()[0] == "glibc":
+    subprocess.run([sys.executable, __file__, "faults-kept"], check=True)
+
+
 def main(argv):
-  which = argv or ["read", "mlp", "f16"]
+  if argv == ["faults-kept"]:
+    probe_faults(kept=True)
+    return
+  which = argv or ["read", "mlp", "f16", "faults"]
   if "read" in which:
     probe_read()
   if "mlp" in which:
     probe_mlp()
   if "f16" in which:
     probe_f16()
+  if "faults" in which:
+    probe_faults()
 
 
 if __name__ == "__main__":

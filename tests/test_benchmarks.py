@@ -6,6 +6,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import optax_lossscale as ols
@@ -107,3 +108,28 @@ def test_train_cases_build(bench):
     params = jax.eval_shape(lambda m=model, x=x: m.init(jax.random.key(0), x))
     assert jax.tree.leaves(params)
     assert x.shape[0] == y.shape[0]
+
+
+def test_train_entries_time_equivalent_steps(bench):
+  """The train-step table compares steps that compute the same training."""
+  import flax.linen as nn
+
+  model = nn.Dense(3)  # float32: a power-of-two loss scale is exact
+  x = jnp.linspace(-1.0, 1.0, 8 * 5).reshape(8, 5)
+  y = jnp.arange(8) % 3
+  entries = bench.train_entries(model, x, y)
+  assert set(entries) == {"plain", "unused_check", "scaled"}
+  params, carries = {}, {}
+  for name, (step, carry, batch) in entries.items():
+    for _ in range(3):
+      carry = jax.jit(step)(carry, batch)
+    params[name], carries[name] = carry[0], carry
+  assert bool(carries["unused_check"][2])  # the flag the check returns
+  init = model.init(jax.random.key(0), x)["params"]
+  assert not jnp.array_equal(params["plain"]["kernel"], init["kernel"])
+  for plain, read, scaled in zip(
+    *(jax.tree.leaves(params[k]) for k in ("plain", "unused_check", "scaled")),
+    strict=True,
+  ):
+    np.testing.assert_allclose(read, plain, rtol=1e-6)
+    np.testing.assert_allclose(scaled, plain, rtol=1e-6)
