@@ -3,7 +3,8 @@
 Not part of the report's tables; each probe prints what it measured:
 
 * read: the finite check alone on the update step's gradients, not in
-  cache (8 gradient trees in rotation), chunked in several ways; and a
+  cache (8 gradient trees in rotation), chunked in several ways and written
+  with other exact formulas (integer, boolean, max, ``x * 0``); and a
   reduction of a 256 MB array against an in-place ``x * c`` over it.
 * mlp: XLA's bytes for the MLP train step of ``bench.py`` with the finite
   check written in several ways, against no check: whether any of them
@@ -83,6 +84,56 @@ def _two_stage(tree):
   return jnp.isfinite(sum(parts))
 
 
+def _grouped(f, combine, reduce):
+  """A check that maps each leaf by ``f``, combines up to 32 leaves of one
+  size elementwise and reduces each group: ours with another formula."""
+
+  def check(tree):
+    groups = {}
+    for x in jax.tree.leaves(tree):
+      z = f(jnp.ravel(x))
+      groups.setdefault(z.size, []).append(z)
+    parts = []
+    for zs in groups.values():
+      for i in range(0, len(zs), 32):
+        total = zs[i]
+        for z in zs[i + 1 : i + 32]:
+          total = combine(total, z)
+        parts.append(reduce(total))
+    return jnp.stack(parts)
+
+  return check
+
+
+def _bits(x):
+  return lax.bitcast_convert_type(x, jnp.int32) & np.int32(0x7FFFFFFF)
+
+
+# Other exact float32 formulas of the check: each returns True when finite.
+_FORMULAS = [
+  (
+    "max of the bits without sign < inf's (integer)",
+    _grouped(_bits, jnp.maximum, jnp.max),
+    lambda r: jnp.max(r) < np.int32(0x7F800000),
+  ),
+  (
+    "any(~isfinite(x)) (boolean)",
+    _grouped(lambda x: ~jnp.isfinite(x), jnp.logical_or, jnp.any),
+    lambda r: ~jnp.any(r),
+  ),
+  (
+    "max(abs(x)) (NaN handling depends on flags)",
+    _grouped(jnp.abs, jnp.maximum, jnp.max),
+    lambda r: jnp.isfinite(jnp.max(r)),
+  ),
+  (
+    "sum(x * 0)",
+    _grouped(lambda x: x * 0, jnp.add, jnp.sum),
+    lambda r: jnp.isfinite(jnp.sum(r)),
+  ),
+]
+
+
 def probe_read():
   params = bench.layers()
   trees = [(bench.scaled(bench.grads_like(params, seed=s)),) for s in range(8)]
@@ -93,8 +144,13 @@ def probe_read():
     ("8 leaves per reduction", _with_chunk(8)),
     ("2 leaves per reduction", _with_chunk(2)),
     ("two-stage reduction", _two_stage),
+    *[
+      (name, lambda t, g=group, d=decide: d(g(t))) for name, group, decide in _FORMULAS
+    ],
   ]:
     compiled = jax.jit(check).lower(*trees[0]).compile()
+    bad = jax.tree.map(lambda x: x.at[(3,) * x.ndim].set(-jnp.inf), trees[0][0])
+    assert bool(compiled(*trees[0])) and not bool(compiled(bad)), name
     print(f"  {name}: {_median_ms(compiled, trees):.3f} ms")
   n = 64 * 2**20
   x = jnp.asarray(np.random.default_rng(0).normal(size=n).astype(np.float32))
