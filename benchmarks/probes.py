@@ -4,8 +4,7 @@ Not part of the report's tables; each probe prints what it measured:
 
 * read: the finite check alone on the update step's gradients, not in
   cache (8 gradient trees in rotation), chunked in several ways and written
-  with other exact formulas (integer, boolean, max, ``x * 0``); and a
-  reduction of a 256 MB array against an in-place ``x * c`` over it.
+  with other exact formulas (integer, boolean, max, ``x * 0``).
 * mlp: XLA's bytes for the MLP train step of ``bench.py`` with the finite
   check written in several ways, against no check: whether any of them
   reads the transposed weight gradients in place.
@@ -13,6 +12,12 @@ Not part of the report's tables; each probe prints what it measured:
   update step's workload, as we write it and as a test of the exponent bits
   of each pair of 16-bit entries read as one 32-bit word (no float16
   arithmetic), with XLA's bytes for each.
+* kernels: how fast XLA's CPU reductions read, against what the machine
+  can read: a 256 MiB float32 array (larger than the cache) reduced by XLA in
+  several ways (a plain sum or max, a sum of squares, ours ``sum(x - x)``,
+  ``sum(x * 0)``) and scaled in place, and reduced by NumPy on one thread
+  and on two. Then the same in a new process pinned to one core: which
+  kernels use more than one.
 * faults: page faults and system time per call of the train steps of
   ``bench.py`` (unscaled and loss-scaled) and of the update steps of its
   headline table, each called back to back; the train steps once more after
@@ -23,12 +28,14 @@ Not part of the report's tables; each probe prints what it measured:
   ``posix_memalign`` can then leave holes it never reuses, and a process that
   allocates large aligned blocks in a loop may grow without bound.
 
-Run:  python benchmarks/probes.py [read] [mlp] [f16] [faults]
+Run:  python benchmarks/probes.py [read] [mlp] [f16] [kernels] [faults]
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import os
 import platform
 import resource
 import statistics
@@ -147,18 +154,6 @@ def probe_read():
     bad = jax.tree.map(lambda x: x.at[(3,) * x.ndim].set(-jnp.inf), trees[0][0])
     assert bool(compiled(*trees[0])) and not bool(compiled(bad)), name
     print(f"  {name}: {_median_ms(compiled, trees):.3f} ms")
-  n = 64 * 2**20
-  x = jnp.asarray(np.random.default_rng(0).normal(size=n).astype(np.float32))
-  reduce = jax.jit(lambda x: jnp.isfinite(jnp.sum(x - x)))
-  print(f"256 MB: reduction {_median_ms(reduce, [(x,)]):.2f} ms", end="")
-  scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
-  y = [jnp.copy(x)]
-
-  def in_place():
-    y[0] = scale(y[0])
-    return y[0]
-
-  print(f", in-place x * c {_median_ms(lambda: in_place(), [()]):.2f} ms")
 
 
 def _fold(a, b):
@@ -264,6 +259,48 @@ def probe_f16():
       )
 
 
+_KERNELS = {
+  "sum(x)": lambda x: jnp.sum(x),
+  "max(x)": lambda x: jnp.max(x),
+  "sum(x * x)": lambda x: jnp.sum(x * x),
+  "sum(x - x) (ours)": lambda x: jnp.sum(x - x),
+  "sum(x * 0)": lambda x: jnp.sum(x * 0),
+}
+
+
+def probe_kernels(one_core=False):
+  if one_core:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+  cores = len(os.sched_getaffinity(0))
+  n = 64 * 2**20
+  x = jnp.asarray(np.random.default_rng(0).normal(size=n).astype(np.float32))
+  mb = x.nbytes / 1e6
+
+  def report(name, ms, passes=1):
+    print(f"  {name}: {ms:.2f} ms, {passes * mb / ms:.1f} GB/s", flush=True)
+
+  print(f"{mb:.0f} MB float32, {cores} core(s); median of 30 calls, GB/s moved:")
+  for name, f in _KERNELS.items():
+    report(f"XLA {name}", _median_ms(jax.jit(f), [(x,)], calls=30, warmup=3))
+  scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
+  y = [jnp.copy(x)]
+
+  def in_place():
+    y[0] = scale(y[0])
+    return y[0]
+
+  report("XLA in-place x * c", _median_ms(in_place, [()], calls=30, warmup=3), 2)
+  host = np.asarray(x)
+  report("NumPy max(x), 1 thread", _median_ms(host.max, [()], calls=30, warmup=3))
+  if cores > 1:
+    halves = np.array_split(host, 2)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+      ms = _median_ms(lambda: list(pool.map(np.max, halves)), [()], calls=30, warmup=3)
+    report("NumPy max(x), 2 threads on halves", ms)
+  if not one_core and cores > 1:
+    subprocess.run([sys.executable, __file__, "kernels-one-core"], check=True)
+
+
 def _per_call(name, step, carry, args, calls=20):
   compiled = jax.jit(step, donate_argnums=0).lower(carry, args).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
@@ -327,13 +364,18 @@ def main(argv):
   if argv == ["faults-kept"]:
     probe_faults(kept=True)
     return
-  which = argv or ["read", "mlp", "f16", "faults"]
+  if argv == ["kernels-one-core"]:
+    probe_kernels(one_core=True)
+    return
+  which = argv or ["read", "mlp", "f16", "kernels", "faults"]
   if "read" in which:
     probe_read()
   if "mlp" in which:
     probe_mlp()
   if "f16" in which:
     probe_f16()
+  if "kernels" in which:
+    probe_kernels()
   if "faults" in which:
     probe_faults()
 
