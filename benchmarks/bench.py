@@ -164,8 +164,8 @@ def bare_adam(params, grads):
   return step, (params, tx.init(params)), grads
 
 
-def bare_adam_and_read(params, grads):
-  """Bare Adam, plus the finite check as an extra output nothing depends on.
+def bare_adam_and_read(params, grads, check=ols.all_finite):
+  """Bare Adam, plus ``check(grads)`` as an extra output nothing depends on.
 
   Not loss scaling: the floor of any design that reads the gradients once
   more. Its cost over bare Adam is what that one read costs on the machine.
@@ -174,9 +174,9 @@ def bare_adam_and_read(params, grads):
 
   def read_too(carry, g):
     p, s = step(carry[:2], g)
-    return p, s, ols.all_finite(g)
+    return p, s, check(g)
 
-  return read_too, (p, s, jnp.array(True)), g
+  return read_too, (p, s, check(g)), g
 
 
 def ours(params, grads, tx=None):

@@ -17,7 +17,11 @@ Not part of the report's tables; each probe prints what it measured:
   several ways (a plain sum or max, a sum of squares, ours ``sum(x - x)``,
   ``sum(x * 0)``) and scaled in place, and reduced by NumPy on one thread
   and on two. Then the same in a new process pinned to one core: which
-  kernels use more than one.
+  kernels use more than one. Last, bare Adam's update step with plain sums
+  of the gradients (one per leaf, the fastest read, or one per 32 leaves;
+  neither an exact check) or our finite check as an output nothing waits
+  on, timed as ``bench.py`` times its tables, next to ours: what the
+  fastest extra read costs in the step.
 * faults: page faults and system time per call of the train steps of
   ``bench.py`` (unscaled and loss-scaled) and of the update steps of its
   headline table, each called back to back; the train steps once more after
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import os
 import platform
 import resource
@@ -268,6 +273,10 @@ _KERNELS = {
 }
 
 
+def _plain_sums(tree):
+  return jnp.stack([jnp.sum(x) for x in jax.tree.leaves(tree)])
+
+
 def probe_kernels(one_core=False):
   if one_core:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
@@ -297,8 +306,35 @@ def probe_kernels(one_core=False):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
       ms = _median_ms(lambda: list(pool.map(np.max, halves)), [()], calls=30, warmup=3)
     report("NumPy max(x), 2 threads on halves", ms)
-  if not one_core and cores > 1:
+  if one_core:
+    return
+  if cores > 1:
     subprocess.run([sys.executable, __file__, "kernels-one-core"], check=True)
+  # The same reads in the update step, with nothing waiting on them, timed
+  # as bench.py times its tables: is the fastest read under the target?
+  params = bench.layers()
+  grads = bench.grads_like(params)
+  steps = {
+    "optax.adam": bench.bare_adam,
+    "optax.adam again": bench.bare_adam,
+    "optax.adam + unused plain sum(x) per leaf (not exact)": functools.partial(
+      bench.bare_adam_and_read, check=_plain_sums
+    ),
+    "optax.adam + unused sum(x) per 32 leaves (not exact)": functools.partial(
+      bench.bare_adam_and_read, check=_grouped(lambda x: x, jnp.add, jnp.sum)
+    ),
+    "optax.adam + unused finite check (ours)": bench.bare_adam_and_read,
+    "dynamic_loss_scale(adam)": bench.ours,
+  }
+  measured = bench.measure_many(
+    [make(params, grads) for make in steps.values()], calls=30
+  )
+  print("update step, 8.4M float32 parameters in 64 leaves (bench.py's way):")
+  for name, r in zip(steps, measured, strict=True):
+    print(
+      f"  {name}: {r['median_s'] * 1e3:.2f} ms, "
+      f"{bench.ratio(r['median_s'], measured[0]['median_s']):.3f}x"
+    )
 
 
 def _per_call(name, step, carry, args, calls=20):
