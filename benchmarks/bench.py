@@ -59,6 +59,13 @@ TIMING = (
 # --------------------------------------------------------------------------
 
 
+def bytes_accessed(compiled):
+  """XLA's cost analysis "bytes accessed" of a compiled program."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["bytes accessed"])
+
+
 def measure_many(entries, calls, rounds=3, warmup=3, seed=0):
   """Compiles each ``(step, carry, grads)`` (``carry`` donated) and times them.
 
@@ -81,12 +88,10 @@ def measure_many(entries, calls, rounds=3, warmup=3, seed=0):
     t0 = time.perf_counter()
     compiled = jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
     compile_s = time.perf_counter() - t0
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     mem = compiled.memory_analysis()
     out.append(
       {
-        "bytes": float(cost["bytes accessed"]),
+        "bytes": bytes_accessed(compiled),
         "compile_s": compile_s,
         "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)),
         "round_medians_s": [],
@@ -475,11 +480,12 @@ def train_cases():
   return cases
 
 
-def train_entries(model, x, y):
+def train_entries(model, x, y, check=ols.all_finite):
   """``measure_many`` entries of one model's train step: ``{name: entry}``.
 
-  ``plain``: no loss scaling; ``unused_check``: the same plus a finite check
-  that nothing waits on; ``scaled``: ``dynamic_loss_scale(adam)``.
+  ``plain``: no loss scaling; ``unused_check``: the same plus ``check`` of
+  the gradients, which nothing waits on; ``scaled``:
+  ``dynamic_loss_scale(adam)``.
   """
   params = model.init(jax.random.key(0), x)["params"]
 
@@ -490,17 +496,18 @@ def train_entries(model, x, y):
   plain_tx = optax.adam(LR)
   scaled_tx = ols.dynamic_loss_scale(optax.adam(LR))
 
-  def plain(carry, batch):
+  def plain_and_grads(carry, batch):
     p, s = carry[:2]
     _, g = jax.value_and_grad(loss_fn)(p, *batch)
     u, s = plain_tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    return (optax.apply_updates(p, u), s), g
+
+  def plain(carry, batch):
+    return plain_and_grads(carry, batch)[0]
 
   def plain_and_read(carry, batch):
-    p, s = carry[:2]
-    _, g = jax.value_and_grad(loss_fn)(p, *batch)
-    u, s = plain_tx.update(g, s, p)
-    return optax.apply_updates(p, u), s, ols.all_finite(g)
+    (p, s), g = plain_and_grads(carry, batch)
+    return p, s, check(g)
 
   def scaled_step(carry, batch):
     p, s = carry
@@ -509,11 +516,13 @@ def train_entries(model, x, y):
     return optax.apply_updates(p, u), s
 
   batch = (jnp.asarray(x), jnp.asarray(y))
+  carry = (params, plain_tx.init(params))
+  read = jax.eval_shape(plain_and_read, carry, batch)[2]
   return {
-    "plain": (plain, (params, plain_tx.init(params)), batch),
+    "plain": (plain, carry, batch),
     "unused_check": (
       plain_and_read,
-      (params, plain_tx.init(params), jnp.array(True)),
+      (*carry, jax.tree.map(lambda r: jnp.zeros(r.shape, r.dtype), read)),
       batch,
     ),
     "scaled": (scaled_step, (params, scaled_tx.init(params)), batch),

@@ -52,7 +52,6 @@ import bench
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax import lax
 
 import optax_lossscale as ols
@@ -191,24 +190,8 @@ def _zeros_matvec(tree):
 
 def probe_mlp():
   model, x, y = bench.train_cases()["MLP 784-1024-1024-1024-10, batch 256"]
-  x, y = jnp.asarray(x), jnp.asarray(y)
-  params = model.init(jax.random.key(0), x)["params"]
+  params = model.init(jax.random.key(0), jnp.asarray(x))["params"]
   grad_mb = sum(p.nbytes for p in jax.tree.leaves(params)) / 1e6
-  tx = optax.adam(bench.LR)
-
-  def loss_fn(p):
-    logits = model.apply({"params": p}, x).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-  def step_with(check):
-    def step(p, s):
-      g = jax.grad(loss_fn)(p)
-      u, s = tx.update(g, s, p)
-      out = (optax.apply_updates(p, u), s)
-      return out if check is None else (*out, check(g))
-
-    return step
-
   print(f"MLP train step, {grad_mb:.1f} MB of gradients; bytes accessed:")
   for name, check in [
     ("no check", None),
@@ -218,10 +201,10 @@ def probe_mlp():
     ("custom reducer a + (b - b)", _custom_reducer),
     ("matrix-vector product with zeros", _zeros_matvec),
   ]:
-    compiled = jax.jit(step_with(check)).lower(params, tx.init(params)).compile()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    print(f"  {name}: {cost['bytes accessed'] / 1e6:.1f} MB")
+    entries = bench.train_entries(model, x, y, check=check or ols.all_finite)
+    step, carry, batch = entries["plain" if check is None else "unused_check"]
+    compiled = jax.jit(step).lower(carry, batch).compile()
+    print(f"  {name}: {bench.bytes_accessed(compiled) / 1e6:.1f} MB")
 
 
 _EXPONENT_BITS = {jnp.dtype(jnp.float16): 0x7C00, jnp.dtype(jnp.bfloat16): 0x7F80}
@@ -255,12 +238,10 @@ def probe_f16():
       compiled = jax.jit(check).lower(*trees[0]).compile()
       bad = jax.tree.map(lambda x: x.at[(3,) * x.ndim].set(jnp.inf), trees[0][0])
       assert bool(compiled(*trees[0])) and not bool(compiled(bad))
-      cost = compiled.cost_analysis()
-      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
       ms = [_median_ms(compiled, trees) for _ in range(3)]
       print(
         f"  {name}: {', '.join(f'{m:.2f}' for m in ms)} ms (3 runs), "
-        f"{cost['bytes accessed'] / 1e6:.1f} MB"
+        f"{bench.bytes_accessed(compiled) / 1e6:.1f} MB"
       )
 
 
@@ -285,12 +266,13 @@ def probe_kernels(one_core=False):
   x = jnp.asarray(np.random.default_rng(0).normal(size=n).astype(np.float32))
   mb = x.nbytes / 1e6
 
-  def report(name, ms, passes=1):
+  def report(name, fn, args=(), passes=1):
+    ms = _median_ms(fn, [args], calls=30, warmup=3)
     print(f"  {name}: {ms:.2f} ms, {passes * mb / ms:.1f} GB/s", flush=True)
 
   print(f"{mb:.0f} MB float32, {cores} core(s); median of 30 calls, GB/s moved:")
   for name, f in _KERNELS.items():
-    report(f"XLA {name}", _median_ms(jax.jit(f), [(x,)], calls=30, warmup=3))
+    report(f"XLA {name}", jax.jit(f), (x,))
   scale = jax.jit(lambda x: x * 1.0001, donate_argnums=0)
   y = [jnp.copy(x)]
 
@@ -298,14 +280,15 @@ def probe_kernels(one_core=False):
     y[0] = scale(y[0])
     return y[0]
 
-  report("XLA in-place x * c", _median_ms(in_place, [()], calls=30, warmup=3), 2)
+  report("XLA in-place x * c", in_place, passes=2)
   host = np.asarray(x)
-  report("NumPy max(x), 1 thread", _median_ms(host.max, [()], calls=30, warmup=3))
+  report("NumPy max(x), 1 thread", host.max)
   if cores > 1:
     halves = np.array_split(host, 2)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-      ms = _median_ms(lambda: list(pool.map(np.max, halves)), [()], calls=30, warmup=3)
-    report("NumPy max(x), 2 threads on halves", ms)
+      report(
+        "NumPy max(x), 2 threads on halves", lambda: list(pool.map(np.max, halves))
+      )
   if one_core:
     return
   if cores > 1:
