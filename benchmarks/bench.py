@@ -44,7 +44,7 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
 import optax_lossscale as ols  # noqa: E402
-from optax_lossscale import _core, _transform  # noqa: E402
+from optax_lossscale import _config, _core, _skip, _transform  # noqa: E402
 
 SCALE = 2.0**10
 LR = 1e-3
@@ -575,69 +575,47 @@ def train_steps(calls):
 
 
 def _variant(inner, check, skip, **kwargs):
-  """``dynamic_loss_scale(inner)`` with ``check`` and ``skip`` swapped in."""
-  loss_scale = ols.DynamicLossScale(**kwargs)
-  inner = optax.with_extra_args_support(inner)
+  """``dynamic_loss_scale(inner)`` with ``check`` and ``skip`` swapped in.
 
-  def init(params):
-    return ols.LossScaleState(*loss_scale.counters, inner_state=inner.init(params))
-
-  def update(updates, state, params=None):
-    scale = loss_scale.replace(_transform._counters_of(state))
-    grads, new_scale, ok = check(scale, updates)
-    u, new_inner = skip(inner, ok, grads, state.inner_state, params)
-    return u, ols.LossScaleState(*new_scale.counters, inner_state=new_inner)
-
-  return optax.GradientTransformation(init, update)
+  ``loss_scale_transformation`` takes them in place of the core's
+  ``unscale_and_check`` and the skip's ``apply_or_skip``.
+  """
+  config = _config.dynamic_config(**kwargs)
+  return _transform.loss_scale_transformation(inner, config, check=check, skip=skip)
 
 
-def _our_check(scale, updates):
-  return scale.unscale_and_update(updates)
-
-
-def _norm_check(scale, updates):
+def _norm_check(scaled_grads, loss_scale, config, axis_name=None):
   """Finiteness read off the global norm of the unscaled gradients."""
-  grads = scale.unscale(updates)
-  new_scale, ok = scale.adjust(jnp.isfinite(optax.tree.norm(grads)))
-  return grads, new_scale, ok
+  del config, axis_name
+  grads = ols.unscale(scaled_grads, loss_scale)
+  return grads, jnp.isfinite(optax.tree.norm(grads))
 
 
-def _zeroed(ok, u):
-  return _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
+def _cond_skip(inner, ok, grads, inner_state, params, extra_args):
+  shapes = jax.eval_shape(inner.update, grads, inner_state, params, **extra_args)[0]
 
-
-def _selected_state_skip(inner, ok, grads, inner_state, params):
-  u, s = _transform._update_on_selected_state(inner, ok, grads, inner_state, params, {})
-  return _zeroed(ok, u), s
-
-
-def _select_after_skip(inner, ok, grads, inner_state, params):
-  u, s = inner.update(grads, inner_state, params)
-  return _zeroed(ok, u), _core.select_tree(ok, s, inner_state)
-
-
-def _cond_skip(inner, ok, grads, inner_state, params):
-  shapes = jax.eval_shape(inner.update, grads, inner_state, params)[0]
+  def apply(grads, inner_state, params):
+    return inner.update(grads, inner_state, params, **extra_args)
 
   def skip(grads, inner_state, params):
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
 
-  return lax.cond(ok, inner.update, skip, grads, inner_state, params)
+  return lax.cond(ok, apply, skip, grads, inner_state, params)
 
 
 def select_after_loss_scale(inner, **kwargs):
   """The skip as ``select(ok, new_state, old_state)`` after the update."""
-  return _variant(inner, _our_check, _select_after_skip, **kwargs)
+  return _variant(inner, _core.unscale_and_check, _skip.select_after, **kwargs)
 
 
 def cond_dynamic_loss_scale(inner, **kwargs):
   """The skip as a ``lax.cond`` around the inner update."""
-  return _variant(inner, _our_check, _cond_skip, **kwargs)
+  return _variant(inner, _core.unscale_and_check, _cond_skip, **kwargs)
 
 
 def norm_check_loss_scale(inner, **kwargs):
   """Finiteness from the global norm, our skip."""
-  return _variant(inner, _norm_check, _selected_state_skip, **kwargs)
+  return _variant(inner, _norm_check, _skip.apply_or_skip, **kwargs)
 
 
 def designs(calls):

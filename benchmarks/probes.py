@@ -55,7 +55,6 @@ import numpy as np
 from jax import lax
 
 import optax_lossscale as ols
-from optax_lossscale import _core
 
 
 def _median_ms(fn, args_cycle, calls=60, warmup=8):
@@ -70,14 +69,7 @@ def _median_ms(fn, args_cycle, calls=60, warmup=8):
 
 
 def _with_chunk(size):
-  def check(tree):
-    old, _core.FINITE_CHECK_CHUNK = _core.FINITE_CHECK_CHUNK, size
-    try:
-      return _core.all_finite(tree)
-    finally:
-      _core.FINITE_CHECK_CHUNK = old
-
-  return check
+  return functools.partial(ols.all_finite, chunk=size)
 
 
 def _grouped(f, combine, reduce):

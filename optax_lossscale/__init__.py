@@ -1,4 +1,9 @@
-"""Loss scaling and mixed precision for JAX, as optax transformations."""
+"""Loss scaling and mixed precision for JAX, as optax transformations.
+
+The public API is what this module exports. Each private module has one job,
+named in its first docstring line; the names in its ``__all__`` are the
+package-internal API the other modules use.
+"""
 
 from optax_lossscale._autocast import ALLOW_LIST as ALLOW_LIST
 from optax_lossscale._autocast import CLEAR_LIST as CLEAR_LIST
@@ -8,41 +13,39 @@ from optax_lossscale._autocast import autocast as autocast
 from optax_lossscale._autocast import (
   enable_mixed_precision as enable_mixed_precision,
 )
-from optax_lossscale._core import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
-from optax_lossscale._core import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
-from optax_lossscale._core import Counters as Counters
-from optax_lossscale._core import DynamicLossScale as DynamicLossScale
-from optax_lossscale._core import LossScale as LossScale
-from optax_lossscale._core import LossScaleConfig as LossScaleConfig
-from optax_lossscale._core import NoOpLossScale as NoOpLossScale
-from optax_lossscale._core import StaticLossScale as StaticLossScale
+from optax_lossscale._config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
+from optax_lossscale._config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
+from optax_lossscale._config import LossScaleConfig as LossScaleConfig
+from optax_lossscale._core import LossScaleState as LossScaleState
 from optax_lossscale._core import all_finite as all_finite
 from optax_lossscale._core import unscale as unscale
 from optax_lossscale._ema import EmaParamsState as EmaParamsState
 from optax_lossscale._ema import ema_params as ema_params
 from optax_lossscale._ema import finalize_variable_values as finalize_variable_values
 from optax_lossscale._ema import get_ema_params as get_ema_params
+from optax_lossscale._grad import scale_loss as scale_loss
+from optax_lossscale._grad import value_and_grad as value_and_grad
 from optax_lossscale._keras import (
   ExperimentalLossScaleOptimizer as ExperimentalLossScaleOptimizer,
 )
 from optax_lossscale._keras import LossScaleOptimizer as LossScaleOptimizer
-from optax_lossscale._keras import get_learning_rate as get_learning_rate
-from optax_lossscale._keras import set_learning_rate as set_learning_rate
+from optax_lossscale._loss_scale import DynamicLossScale as DynamicLossScale
+from optax_lossscale._loss_scale import LossScale as LossScale
+from optax_lossscale._loss_scale import NoOpLossScale as NoOpLossScale
+from optax_lossscale._loss_scale import StaticLossScale as StaticLossScale
+from optax_lossscale._optimizers import get_learning_rate as get_learning_rate
+from optax_lossscale._optimizers import set_learning_rate as set_learning_rate
 from optax_lossscale._policy import Policy as Policy
 from optax_lossscale._policy import default_half_dtype as default_half_dtype
 from optax_lossscale._policy import get_policy as get_policy
-from optax_lossscale._transform import LossScaleState as LossScaleState
-from optax_lossscale._transform import NonFiniteStepsError as NonFiniteStepsError
-from optax_lossscale._transform import check_skipped_steps as check_skipped_steps
-from optax_lossscale._transform import diagnostics as diagnostics
+from optax_lossscale._skip import SkipFallbackWarning as SkipFallbackWarning
+from optax_lossscale._state import NonFiniteStepsError as NonFiniteStepsError
+from optax_lossscale._state import check_skipped_steps as check_skipped_steps
+from optax_lossscale._state import diagnostics as diagnostics
+from optax_lossscale._state import find_loss_scale_state as find_loss_scale_state
+from optax_lossscale._state import get_scale as get_scale
 from optax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
-from optax_lossscale._transform import (
-  find_loss_scale_state as find_loss_scale_state,
-)
-from optax_lossscale._transform import get_scale as get_scale
-from optax_lossscale._transform import scale_loss as scale_loss
 from optax_lossscale._transform import static_loss_scale as static_loss_scale
-from optax_lossscale._transform import value_and_grad as value_and_grad
 from optax_lossscale._transform import with_loss_scale as with_loss_scale
 
 __version__ = "0.1.0"
@@ -54,7 +57,6 @@ __all__ = (
   "INFER_LIST",
   "DEFAULT_MAX_SCALE",
   "DEFAULT_MIN_SCALE",
-  "Counters",
   "DynamicLossScale",
   "EmaParamsState",
   "ExperimentalLossScaleOptimizer",
@@ -65,6 +67,7 @@ __all__ = (
   "NoOpLossScale",
   "NonFiniteStepsError",
   "Policy",
+  "SkipFallbackWarning",
   "StaticLossScale",
   "all_finite",
   "autocast",

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _jaxpr, _policy
+from optax_lossscale import _config, _jaxpr, _policy, _transform
 from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr, Literal
 
 #: Run in the half dtype.
@@ -130,15 +130,8 @@ CLEAR_LIST = frozenset(
   }
 )
 
-_CALLS = (
-  "jit",
-  "pjit",
-  "closed_call",
-  "core_call",
-  "custom_jvp_call",
-  "custom_vjp_call",
-  "custom_vjp_call_jaxpr",
-)
+# Custom-derivative calls, whose bodies are inlined (their rules are not kept).
+_CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def _is_float(dtype) -> bool:
@@ -200,21 +193,17 @@ def _eval(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], rules: _Rule
   return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
 
 
-def _closed(j) -> tuple[Jaxpr, list[Any]]:
-  if isinstance(j, ClosedJaxpr):
-    return j.jaxpr, list(j.consts)
-  return j, []
-
-
 def _eval_eqn(eqn, invals, rules: _Rules):
   name = eqn.primitive.name
   params = eqn.params
-  if name in _CALLS:
+  body = _jaxpr.call_body(eqn)
+  if body is not None:
+    return _eval(*body, invals, rules)
+  if name in _CUSTOM_CALLS:
     key = next(k for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params)
-    sub, consts = _closed(params[key])
-    return _eval(sub, consts, invals, rules)
+    return _eval(*_jaxpr.closed(params[key]), invals, rules)
   if name in ("remat", "remat2", "checkpoint"):
-    sub, consts = _closed(params["jaxpr"])
+    sub, consts = _jaxpr.closed(params["jaxpr"])
     body = jax.checkpoint(
       lambda *a: _eval(sub, consts, a, rules),
       prevent_cse=params.get("prevent_cse", True),
@@ -277,7 +266,7 @@ def _match(values, dtypes):
 
 def _scan(eqn, invals, rules):
   p = eqn.params
-  sub, consts = _closed(p["jaxpr"])
+  sub, consts = _jaxpr.closed(p["jaxpr"])
   nc, ncarry = p["num_consts"], p["num_carry"]
   cvals, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
   carry_dtypes = [x.dtype for x in init]
@@ -299,8 +288,8 @@ def _scan(eqn, invals, rules):
 
 def _while(eqn, invals, rules):
   p = eqn.params
-  cj, cconsts = _closed(p["cond_jaxpr"])
-  bj, bconsts = _closed(p["body_jaxpr"])
+  cj, cconsts = _jaxpr.closed(p["cond_jaxpr"])
+  bj, bconsts = _jaxpr.closed(p["body_jaxpr"])
   nc, nb = p["cond_nconsts"], p["body_nconsts"]
   cvals, bvals, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
   dtypes = [x.dtype for x in init]
@@ -316,7 +305,7 @@ def _while(eqn, invals, rules):
 
 def _cond(eqn, invals, rules):
   index, ops = invals[0], invals[1:]
-  branches = [_closed(b) for b in eqn.params["branches"]]
+  branches = [_jaxpr.closed(b) for b in eqn.params["branches"]]
   shapes = [
     jax.eval_shape(lambda *o, b=b: _eval(b[0], b[1], o, rules), *ops) for b in branches
   ]
@@ -401,7 +390,9 @@ def enable_mixed_precision(
   compute_dtype: Any = None,
   **loss_scale_kwargs: Any,
 ) -> tuple[Callable[..., Any], Any]:
-  """The graph-rewrite seed's one call: ``(autocast(fun), loss-scaled optimizer)``.
+  """TensorFlow's ``enable_mixed_precision_graph_rewrite``: autocast and a loss scale.
+
+  Returns ``(autocast(fun), loss-scaled optimizer)`` in one call.
 
   Args:
     fun: the float32 function to run in mixed precision (a model's apply or
@@ -416,8 +407,6 @@ def enable_mixed_precision(
     which does not need loss scaling, ``optimizer`` wrapped in a
     :class:`NoOpLossScale` (the same code path, scale 1).
   """
-  from optax_lossscale import _core, _transform
-
   half = jnp.dtype(
     _policy.default_half_dtype() if compute_dtype is None else compute_dtype
   )
@@ -429,4 +418,4 @@ def enable_mixed_precision(
       f"Loss-scale arguments {sorted(loss_scale_kwargs)} given, but {half.name} "
       "does not need loss scaling."
     )
-  return fast, _transform.with_loss_scale(optimizer, _core.NoOpLossScale())
+  return fast, _transform.loss_scale_transformation(optimizer, _config.NOOP_CONFIG)

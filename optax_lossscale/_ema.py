@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _core
-from optax_lossscale._transform import _optimizer_state, find_unique, unwrap_variables
+from optax_lossscale import _core, _state, _validate
 
 
 class EmaParamsState(NamedTuple):
@@ -75,14 +74,14 @@ def ema_params(
     >>> params["w"], ols.get_ema_params(state)["w"]  # 3, 2 -> ema 3, 2.5
     (Array([2.], dtype=float32), Array([2.5], dtype=float32))
   """
-  momentum = _core._float_in("momentum", momentum, 0.0, 1.0)
-  overwrite_frequency = _core._optional_int_at_least(
+  momentum = _validate.float_in("momentum", momentum, 0.0, 1.0)
+  overwrite_frequency = _validate.optional_int_at_least(
     "overwrite_frequency", overwrite_frequency, 1
   )
 
   def init_fn(params):
     ema = jax.tree.map(
-      lambda p: p.astype(_ema_dtype(p)) if _core._is_float_array(p) else p, params
+      lambda p: p.astype(_ema_dtype(p)) if _core.is_float_array(p) else p, params
     )
     return EmaParamsState(count=jnp.zeros([], jnp.int32), ema=ema)
 
@@ -93,7 +92,7 @@ def ema_params(
     m = jnp.where(state.count == 0, 0.0, momentum).astype(jnp.float32)
 
     def average(avg, p):
-      if not _core._is_float_array(p):
+      if not _core.is_float_array(p):
         return avg
       dt = avg.dtype
       return m.astype(dt) * avg + (1 - m).astype(dt) * p.astype(dt)
@@ -103,7 +102,7 @@ def ema_params(
       overwrite = (state.count + 1) % overwrite_frequency == 0
 
       def to_average(u, avg, p):
-        if not (_core._is_float_array(u) and _core._is_float_array(p)):
+        if not (_core.is_float_array(u) and _core.is_float_array(p)):
           return u
         jump = (avg.astype(p.dtype) - p).astype(u.dtype)
         return jnp.where(overwrite, jump, u)
@@ -128,8 +127,10 @@ def get_ema_params(opt_state: Any) -> optax.Params:
   Raises:
     ValueError: no :func:`ema_params` state in ``opt_state``, or several.
   """
-  state = find_unique(_optimizer_state(opt_state), _is_ema_state, "ema_params state")
-  return unwrap_variables(state.ema)
+  state = _state.find_unique(
+    _state.optimizer_state(opt_state), _is_ema_state, "ema_params state"
+  )
+  return _state.unwrap_variables(state.ema)
 
 
 def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Params:
@@ -146,6 +147,6 @@ def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Para
   ema = get_ema_params(opt_state)
 
   def swap(p, avg):
-    return avg.astype(p.dtype) if _core._is_float_array(p) else p
+    return avg.astype(p.dtype) if _core.is_float_array(p) else p
 
   return jax.tree.map(swap, params, ema)

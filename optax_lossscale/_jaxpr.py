@@ -1,8 +1,8 @@
-"""Evaluating a jaxpr equation by equation, with a hook: the one interpreter.
+"""Evaluating a jaxpr equation by equation, with hooks: the one interpreter.
 
-The skip (``_transform``) and ``autocast`` both re-evaluate a traced
-function's jaxpr and change what some equations compute; this module is the
-loop they share.
+The skip (``_skip``) and ``autocast`` both re-evaluate a traced function's
+jaxpr and change what some equations compute; this module is the loop they
+share, and the one place that knows how a call primitive holds its body.
 """
 
 from __future__ import annotations
@@ -16,7 +16,38 @@ try:
 except ImportError:  # older JAX
   from jax.core import ClosedJaxpr, DropVar, Jaxpr, Literal, Var
 
-__all__ = ["ClosedJaxpr", "DropVar", "Jaxpr", "Literal", "Var", "bind", "evaluate"]
+__all__ = [
+  "CALLS",
+  "ClosedJaxpr",
+  "DropVar",
+  "Jaxpr",
+  "Literal",
+  "Var",
+  "bind",
+  "call_body",
+  "closed",
+  "evaluate",
+]
+
+#: Primitives that call a jaxpr as it is (``jax.jit`` inside a function is
+#: ``jit``, ``pjit`` in older JAX): evaluating the body in their place
+#: computes the same values.
+CALLS = ("jit", "pjit", "closed_call", "core_call")
+
+
+def closed(j: Any) -> tuple[Jaxpr, list[Any]]:
+  """``(jaxpr, consts)`` of a closed or open jaxpr."""
+  if isinstance(j, ClosedJaxpr):
+    return j.jaxpr, list(j.consts)
+  return j, []
+
+
+def call_body(eqn: Any) -> tuple[Jaxpr, list[Any]] | None:
+  """``(jaxpr, consts)`` of the body of a :data:`CALLS` equation, else ``None``."""
+  if eqn.primitive.name not in CALLS:
+    return None
+  key = next(k for k in ("jaxpr", "call_jaxpr") if k in eqn.params)
+  return closed(eqn.params[key])
 
 
 def bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list:

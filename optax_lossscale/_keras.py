@@ -13,149 +13,19 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _core, _ema, _transform
-
-# optax aliases that a Keras optimizer name maps to, and Keras' default
-# learning rates (SGD 0.01, every other optimizer 0.001).
-_OPTIMIZERS = {
-  "sgd": optax.sgd,
-  "adam": optax.adam,
-  "adamw": optax.adamw,
-  "adamax": optax.adamax,
-  "nadam": optax.nadam,
-  "rmsprop": optax.rmsprop,
-  "adagrad": optax.adagrad,
-  "adadelta": optax.adadelta,
-  "adafactor": optax.adafactor,
-  "lamb": optax.lamb,
-  "lion": optax.lion,
-}
-_DEFAULT_LEARNING_RATE = {"sgd": 0.01}
-
-
-def _inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
-  """(the optax transformation, what ``get_config`` reports for it)."""
-  if isinstance(inner, optax.GradientTransformation):
-    return inner, inner
-  if isinstance(inner, str):
-    inner = {"class_name": inner, "config": {}}
-  if not (
-    isinstance(inner, Mapping)
-    and set(inner) <= {"class_name", "config"}
-    and isinstance(inner.get("class_name"), str)
-    and isinstance(inner.get("config", {}), Mapping)
-  ):
-    raise ValueError(
-      "`inner_optimizer` must be an optax GradientTransformation, an optimizer "
-      f"name such as 'adam', or {{'class_name': ..., 'config': {{...}}}}; got "
-      f"{inner!r}."
-    )
-  name = inner["class_name"].lower()
-  if name not in _OPTIMIZERS:
-    raise ValueError(
-      f"`inner_optimizer`: unknown optimizer {inner['class_name']!r}; known: "
-      f"{', '.join(sorted(_OPTIMIZERS))}."
-    )
-  config = {
-    "learning_rate": _DEFAULT_LEARNING_RATE.get(name, 0.001),
-    **inner.get("config", {}),
-  }
-  try:
-    tx = optax.inject_hyperparams(_OPTIMIZERS[name])(**config)
-  except TypeError as e:
-    raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
-  return tx, {"class_name": name, "config": config}
-
-
-def _is_inject_state(x: Any) -> bool:
-  return isinstance(
-    x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
-  ) and isinstance(x.hyperparams, Mapping)
-
-
-def _learning_rate_node(state: Any) -> Any:
-  try:
-    return _transform.find_unique(
-      state,
-      lambda x: _is_inject_state(x) and "learning_rate" in x.hyperparams,
-      "optax.inject_hyperparams state with a learning_rate",
-    )
-  except ValueError as e:
-    raise ValueError(
-      f"{e} Build the inner optimizer with optax.inject_hyperparams(...) (or "
-      "pass it by name, e.g. 'adam') to read or change its learning rate."
-    ) from None
-
-
-def get_learning_rate(opt_state: Any) -> jax.Array:
-  """The learning rate of the one ``optax.inject_hyperparams`` in ``opt_state``.
-
-  After a step it is the rate that step used (schedules included).
-  """
-  state = _transform._optimizer_state(opt_state)
-  return _transform._array(_learning_rate_node(state).hyperparams["learning_rate"])
-
-
-def set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
-  """``opt_state`` with the injected learning rate replaced (jit-friendly).
-
-  A rate that ``inject_hyperparams`` computes from a schedule is recomputed
-  on the next step; set rates given as numbers.
-  """
-  node = _learning_rate_node(opt_state)
-  old = node.hyperparams["learning_rate"]
-  new_node = node._replace(
-    hyperparams={
-      **node.hyperparams,
-      "learning_rate": jnp.asarray(learning_rate, jnp.result_type(old)),
-    }
-  )
-  return jax.tree.map(
-    lambda x: new_node if x is node else x,
-    opt_state,
-    is_leaf=lambda x: x is node,
-  )
-
-
-def _decoupled_weight_decay(
-  inner: optax.GradientTransformation, weight_decay: float
-) -> optax.GradientTransformationExtraArgs:
-  """Keras' weight decay: ``p -= p * weight_decay * learning_rate`` each step.
-
-  The learning rate is the one the inner optimizer used this step, read from
-  its ``inject_hyperparams`` state; the decay uses the parameters before the
-  step, as Keras does.
-  """
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params):
-    state = inner.init(params)
-    _learning_rate_node(state)  # a clear error now, not at the first step
-    return state
-
-  def update_fn(updates, state, params=None, **extra_args):
-    if params is None:
-      raise ValueError("`weight_decay` needs the parameters: call update(..., params).")
-    updates, state = inner.update(updates, state, params, **extra_args)
-    lr = _learning_rate_node(state).hyperparams["learning_rate"]
-
-    def decay(u, p):
-      if not (_core._is_float_array(u) and _core._is_float_array(p)):
-        return u
-      step = p * jnp.asarray(weight_decay, p.dtype) * lr.astype(p.dtype)
-      return u - step.astype(u.dtype)
-
-    return jax.tree.map(decay, updates, params), state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _unscale_by(factor: float) -> optax.GradientTransformation:
-  """Divides the gradients by a fixed ``factor`` (Keras' ``loss_scale_factor``)."""
-  return optax.stateless(lambda updates, params=None: _core.unscale(updates, factor))
+from optax_lossscale import (
+  _config,
+  _core,
+  _ema,
+  _grad,
+  _loss_scale,
+  _optimizers,
+  _state,
+  _transform,
+  _validate,
+)
 
 
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
@@ -230,8 +100,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   def __new__(
     cls,
     inner_optimizer: Any,
-    initial_scale: float = 2.0**15,
-    dynamic_growth_steps: int | None = 2000,
+    initial_scale: float = _config.DEFAULT_INITIAL_SCALE,
+    dynamic_growth_steps: int | None = _config.DEFAULT_GROWTH_INTERVAL,
     *,
     dynamic: bool = True,
     weight_decay: float | None = None,
@@ -243,18 +113,18 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     ema_overwrite_frequency: int | None = None,
     loss_scale_factor: float | None = None,
     gradient_accumulation_steps: int | None = None,
-    min_scale: float = _core.DEFAULT_MIN_SCALE,
-    max_scale: float = _core.DEFAULT_MAX_SCALE,
+    min_scale: float = _config.DEFAULT_MIN_SCALE,
+    max_scale: float = _config.DEFAULT_MAX_SCALE,
     hysteresis: int = 1,
     axis_name: Any = None,
   ):
-    inner, inner_config = _inner_spec(inner_optimizer)
+    inner, inner_config = _optimizers.inner_spec(inner_optimizer)
     if not isinstance(dynamic, bool):
       raise ValueError(f"`dynamic` must be a bool, got {dynamic!r}.")
     if dynamic:
       if dynamic_growth_steps is None:
         raise ValueError("`dynamic_growth_steps` must be an integer when dynamic.")
-      scale = _core.DynamicLossScale(
+      scale = _loss_scale.DynamicLossScale(
         initial_scale,
         growth_interval=dynamic_growth_steps,
         min_scale=min_scale,
@@ -264,15 +134,15 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       dynamic_growth_steps = scale.config.growth_interval
     else:
       # TensorFlow's fixed loss scale applies every step.
-      scale = _core.StaticLossScale(initial_scale, skip_nonfinite=False)
+      scale = _loss_scale.StaticLossScale(initial_scale, skip_nonfinite=False)
       dynamic_growth_steps = None
     initial_scale = scale.config.initial_scale
 
     if weight_decay is not None:
-      weight_decay = _core._float_in("weight_decay", weight_decay, 0.0, math.inf)
-    clipnorm = _core._optional_positive("clipnorm", clipnorm)
-    clipvalue = _core._optional_positive("clipvalue", clipvalue)
-    global_clipnorm = _core._optional_positive("global_clipnorm", global_clipnorm)
+      weight_decay = _validate.float_in("weight_decay", weight_decay, 0.0, math.inf)
+    clipnorm = _validate.optional_positive("clipnorm", clipnorm)
+    clipvalue = _validate.optional_positive("clipvalue", clipvalue)
+    global_clipnorm = _validate.optional_positive("global_clipnorm", global_clipnorm)
     if sum(c is not None for c in (clipnorm, clipvalue, global_clipnorm)) > 1:
       raise ValueError(
         "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set; "
@@ -281,26 +151,28 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       )
     if not isinstance(use_ema, bool):
       raise ValueError(f"`use_ema` must be a bool, got {use_ema!r}.")
-    ema_momentum = _core._float_in("ema_momentum", ema_momentum, 0.0, 1.0)
-    ema_overwrite_frequency = _core._optional_int_at_least(
+    ema_momentum = _validate.float_in("ema_momentum", ema_momentum, 0.0, 1.0)
+    ema_overwrite_frequency = _validate.optional_int_at_least(
       "ema_overwrite_frequency", ema_overwrite_frequency, 1
     )
-    loss_scale_factor = _core._optional_positive("loss_scale_factor", loss_scale_factor)
-    gradient_accumulation_steps = _core._optional_int_at_least(
+    loss_scale_factor = _validate.optional_positive(
+      "loss_scale_factor", loss_scale_factor
+    )
+    gradient_accumulation_steps = _validate.optional_int_at_least(
       "gradient_accumulation_steps", gradient_accumulation_steps, 2
     )
 
     # Build the chain, innermost first (the order is the docstring's).
     body = inner
     if weight_decay:
-      body = _decoupled_weight_decay(body, weight_decay)
+      body = _optimizers.decoupled_weight_decay(body, weight_decay)
     if use_ema:
       body = optax.chain(
         body,
         _ema.ema_params(ema_momentum, overwrite_frequency=ema_overwrite_frequency),
       )
     if clipnorm is not None:
-      body = optax.chain(_clip_each_by_norm(clipnorm), body)
+      body = optax.chain(_optimizers.clip_each_by_norm(clipnorm), body)
     elif clipvalue is not None:
       body = optax.chain(optax.clip(clipvalue), body)
     elif global_clipnorm is not None:
@@ -310,7 +182,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         body, gradient_accumulation_steps
       ).gradient_transformation()
     if loss_scale_factor is not None:
-      body = optax.chain(_unscale_by(loss_scale_factor), body)
+      body = optax.chain(_optimizers.unscale_by(loss_scale_factor), body)
     tx = _transform.with_loss_scale(body, scale, axis_name=axis_name)
 
     self = super().__new__(cls, tx.init, tx.update)
@@ -330,8 +202,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "ema_overwrite_frequency": ema_overwrite_frequency,
       "loss_scale_factor": loss_scale_factor,
       "gradient_accumulation_steps": gradient_accumulation_steps,
-      "min_scale": scale.config.min_scale if dynamic else _core.DEFAULT_MIN_SCALE,
-      "max_scale": scale.config.max_scale if dynamic else _core.DEFAULT_MAX_SCALE,
+      "min_scale": scale.config.min_scale if dynamic else _config.DEFAULT_MIN_SCALE,
+      "max_scale": scale.config.max_scale if dynamic else _config.DEFAULT_MAX_SCALE,
       "hysteresis": scale.config.hysteresis,
       "axis_name": axis_name,
     }
@@ -372,36 +244,36 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   def loss_scale(self, state: Any) -> jax.Array:
     """The current float32 loss scale held in ``state``."""
-    return _transform.get_scale(state)
+    return _state.get_scale(state)
 
   def dynamic_counter(self, state: Any) -> jax.Array | None:
     """Finite steps in a row since the scale last changed; ``None`` if fixed."""
     if not self._config["dynamic"]:
       return None
-    return _transform._counters(state).good_steps
+    return _state.counters(state).good_steps
 
   def learning_rate(self, state: Any) -> jax.Array:
     """The inner optimizer's injected learning rate (see :func:`get_learning_rate`)."""
-    return get_learning_rate(state)
+    return _optimizers.get_learning_rate(state)
 
   lr = learning_rate
 
   def set_learning_rate(self, state: Any, learning_rate: Any) -> Any:
     """``state`` with the inner learning rate replaced."""
-    return set_learning_rate(state, learning_rate)
+    return _optimizers.set_learning_rate(state, learning_rate)
 
   # -- the loss-scaling operations -----------------------------------------
 
   def scale_loss(self, loss: Any, state: Any) -> jax.Array:
     """``loss * loss_scale * loss_scale_factor``, in at least float32."""
-    scaled = _transform.scale_loss(loss, state)
+    scaled = _grad.scale_loss(loss, state)
     if self._loss_scale_factor is None:
       return scaled
     return _core.scale_value(scaled, self._loss_scale_factor)
 
   def get_unscaled_gradients(self, grads: Any, state: Any) -> Any:
     """Gradients of :meth:`scale_loss`'s loss divided back, as ``update`` does."""
-    grads = _core.unscale(grads, _transform.get_scale(state))
+    grads = _core.unscale(grads, _state.get_scale(state))
     if self._loss_scale_factor is None:
       return grads
     return _core.unscale(grads, self._loss_scale_factor)
@@ -416,25 +288,6 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     if not self._config["use_ema"]:
       return params
     return _ema.finalize_variable_values(params, state)
-
-
-def _clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
-  """Keras' ``clipnorm``: each gradient leaf clipped to L2 norm ``max_norm``."""
-
-  def clip(updates, params=None):
-    del params
-
-    def one(g):
-      if not _core._is_float_array(g):
-        return g
-      # Keras' formula: g * max_norm / max(norm, max_norm), in float32.
-      g32 = g.astype(jnp.float32)
-      norm = jnp.sqrt(jnp.sum(jnp.square(g32)))
-      return (g32 * max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
-
-    return jax.tree.map(one, updates)
-
-  return optax.stateless(clip)
 
 
 class ExperimentalLossScaleOptimizer(LossScaleOptimizer):
@@ -476,7 +329,7 @@ def _from_loss_scale(loss_scale: Any) -> dict[str, Any]:
         f"string {loss_scale!r}."
       )
     return {}
-  if isinstance(loss_scale, _core.DynamicLossScale):
+  if isinstance(loss_scale, _loss_scale.DynamicLossScale):
     c = loss_scale.config
     if c.growth_factor != 2.0 or c.backoff_factor != 0.5:
       raise ValueError(
@@ -491,7 +344,7 @@ def _from_loss_scale(loss_scale: Any) -> dict[str, Any]:
       "max_scale": c.max_scale,
       "hysteresis": c.hysteresis,
     }
-  if isinstance(loss_scale, _core.StaticLossScale):
+  if isinstance(loss_scale, _loss_scale.StaticLossScale):
     if loss_scale.config.skip_nonfinite:
       raise ValueError(
         "`loss_scale`: the Keras optimizer's fixed scale applies every step, "
@@ -500,13 +353,13 @@ def _from_loss_scale(loss_scale: Any) -> dict[str, Any]:
         "a fixed scale that skips non-finite steps."
       )
     return {"dynamic": False, "initial_scale": loss_scale.config.initial_scale}
-  if isinstance(loss_scale, _core.LossScale):
+  if isinstance(loss_scale, _loss_scale.LossScale):
     raise ValueError(
       f"`loss_scale` must be 'dynamic', a number, a DynamicLossScale or a "
       f"StaticLossScale; got {loss_scale!r}."
     )
   try:
-    value = _core._check_scale("loss_scale", loss_scale)
+    value = _validate.check_scale("loss_scale", loss_scale)
   except ValueError as e:
     raise ValueError(
       f"{e} (`loss_scale` must be 'dynamic', a positive number or a LossScale.)"

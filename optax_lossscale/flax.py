@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from optax_lossscale import _transform
+from optax_lossscale import _grad, _state
 
 
 class LossScaleTrainState(train_state.TrainState):
@@ -46,7 +46,7 @@ class LossScaleTrainState(train_state.TrainState):
   def create(cls, *, apply_fn, params, tx, **kwargs):
     """As ``TrainState.create``; ``tx`` must contain one loss scale."""
     state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-    _transform.find_loss_scale_state(state.opt_state)  # a clear error if none
+    _state.find_loss_scale_state(state.opt_state)  # a clear error if none
     # An int32 array from the start: the same pytree (and checkpoint) before
     # and after the first step.
     return state.replace(step=jnp.zeros([], jnp.int32))
@@ -55,19 +55,19 @@ class LossScaleTrainState(train_state.TrainState):
     """Applies gradients of the scaled loss (unless the step is skipped)."""
     updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
     new_params = optax.apply_updates(self.params, updates)
-    skipped = _transform.diagnostics(new_opt_state)["last_step_skipped"]
+    skipped = _state.diagnostics(new_opt_state)["last_step_skipped"]
     step = jnp.where(skipped, self.step, self.step + 1).astype(jnp.int32)
     return self.replace(step=step, params=new_params, opt_state=new_opt_state, **kwargs)
 
   @property
   def loss_scale(self) -> jax.Array:
     """The current float32 loss scale."""
-    return _transform.get_scale(self.opt_state)
+    return _state.get_scale(self.opt_state)
 
   @property
   def diagnostics(self) -> dict[str, jax.Array]:
     """:func:`optax_lossscale.diagnostics` of the optimizer state."""
-    return _transform.diagnostics(self.opt_state)
+    return _state.diagnostics(self.opt_state)
 
   def value_and_grad(
     self, loss_fn: Callable[..., Any], *, has_aux: bool = False
@@ -77,7 +77,7 @@ class LossScaleTrainState(train_state.TrainState):
     Returns ``g(params, *args, **kwargs) -> (loss_fn's output, scaled grads)``;
     pass the grads to :meth:`apply_gradients`.
     """
-    scaled = _transform.value_and_grad(loss_fn, argnums=0, has_aux=has_aux)
+    scaled = _grad.value_and_grad(loss_fn, argnums=0, has_aux=has_aux)
     return lambda *args, **kwargs: scaled(self.opt_state, *args, **kwargs)
 
 
@@ -101,7 +101,7 @@ def nnx_value_and_grad(
   """
 
   def wrapper(optimizer, *args, **kwargs):
-    scaled = _transform.scaled_loss_fn(fun, _transform.get_scale(optimizer), has_aux)
+    scaled = _grad.scaled_loss_fn(fun, _state.get_scale(optimizer), has_aux)
     (_, out), grads = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)(
       *args, **kwargs
     )

@@ -162,6 +162,25 @@ def test_tf_names_on_dynamic_loss_scale():
 
 
 @pytest.mark.parametrize(
+  "kwargs",
+  [
+    # Our name given with its default value, TensorFlow's with another.
+    {"initial_scale": 2.0**15, "initial_loss_scale": 1024},
+    {"initial_scale": 1024, "initial_loss_scale": 1024},
+    {"growth_interval": 2000, "increment_period": 5},
+    {"growth_factor": 2.0, "multiplier": 2.0},
+    {"backoff_factor": 0.5, "multiplier": 4.0},
+  ],
+)
+def test_both_names_of_one_argument_is_an_error_whatever_the_values(kwargs):
+  tf_name = next(
+    k for k in kwargs if k in ("initial_loss_scale", "increment_period", "multiplier")
+  )
+  with pytest.raises(ValueError, match=f"not both.*{tf_name}"):
+    ols.DynamicLossScale(**kwargs)
+
+
+@pytest.mark.parametrize(
   "kwargs, match",
   [
     ({"clipnorm": 1.0, "clipvalue": 1.0}, "Only one of"),

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale import _core, _transform
+from optax_lossscale import _config, _core, _skip, _transform
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam, schedules, ...
 
@@ -38,8 +38,15 @@ def _dup_and_passthrough():
   return optax.GradientTransformation(init, update)
 
 
+def _jitted(tx):
+  """``tx`` with its update wrapped in ``jax.jit``, as user code often is."""
+  return optax.GradientTransformation(tx.init, jax.jit(tx.update))
+
+
 INNERS = {
   "adam": lambda: optax.adam(1e-2),
+  "jitted adam": lambda: _jitted(optax.adam(1e-2)),
+  "jitted duplicated and passed-through state": lambda: _jitted(_dup_and_passthrough()),
   "sgd momentum": lambda: optax.sgd(0.1, momentum=0.9),
   "chain clip adamw schedule": lambda: optax.chain(
     optax.clip_by_global_norm(1.0), optax.adamw(optax.linear_schedule(1e-2, 0.0, 10))
@@ -66,12 +73,12 @@ def test_selected_state_rewrite_equals_select_after(name, ok):
 
   @jax.jit
   def rewritten(grads, state, params):
-    return _transform._update_on_selected_state(inner, pred, grads, state, params, {})
+    return _skip.update_on_selected_state(inner, pred, grads, state, params, {})
 
   @jax.jit
   def plain(grads, state, params):
     u, s = inner.update(grads, state, params)
-    return u, _core.select_tree(pred, s, state)
+    return u, _skip.select_tree(pred, s, state)
 
   u1, s1 = rewritten(grads, state, params)
   u2, s2 = plain(grads, state, params)
@@ -116,6 +123,99 @@ def test_step_costs_one_extra_read_of_the_gradients():
   assert not big_copies
 
 
+@pytest.mark.parametrize(
+  "name, inner",
+  [
+    ("jitted", lambda: _jitted(optax.adam(1e-3))),
+    ("jit inside jit", lambda: _jitted(_jitted(optax.adam(1e-3)))),
+    (
+      "chain of a jitted adam",
+      lambda: optax.chain(optax.clip(1.0), _jitted(optax.adam(1e-3))),
+    ),
+  ],
+)
+def test_a_jitted_inner_update_keeps_the_saving(name, inner):
+  """The skip follows the new state into jax.jit-ed calls: no copy of the state."""
+  params = _params(16, 65536)
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  ours = _compiled(ols.dynamic_loss_scale(inner()), params, grads)
+  param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+  assert ours.memory_analysis().temp_size_in_bytes < 0.01 * param_bytes, name
+  # What the skip's fallback (a select after the update) costs on the same step.
+  config = _config.dynamic_config()
+  after = _transform.loss_scale_transformation(inner(), config, skip=_skip.select_after)
+  after = _compiled(after, params, grads)
+  assert after.memory_analysis().temp_size_in_bytes >= param_bytes
+
+
+def _with_static_extra_arg():
+  """An inner update taking a non-array keyword argument (a callable)."""
+  adam = optax.adam(1e-3)
+
+  def update(updates, state, params=None, *, fn=None, **extra):
+    del extra
+    return adam.update(jax.tree.map(fn, updates), state, params)
+
+  return optax.GradientTransformationExtraArgs(adam.init, update)
+
+
+def test_static_extra_arguments_keep_the_saving():
+  params = _params(16, 65536)
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  tx = ols.dynamic_loss_scale(_with_static_extra_arg())
+
+  def step(carry, g):
+    p, s = carry
+    u, s = tx.update(g, s, p, fn=lambda x: 2 * x)
+    return optax.apply_updates(p, u), s
+
+  carry = (params, tx.init(params))
+  compiled = jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
+  param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
+  assert compiled.memory_analysis().temp_size_in_bytes < 0.01 * param_bytes
+  # And it computes what the inner update computes.
+  plain = _with_static_extra_arg()
+  expected, _ = plain.update(grads, plain.init(params), params, fn=lambda x: 2 * x)
+  state = tx.init(params)
+  scaled = jax.tree.map(lambda g: g * ols.get_scale(state), grads)
+  updates, _ = jax.jit(tx.update, static_argnames="fn")(
+    scaled, state, params, fn=_double
+  )
+  chex.assert_trees_all_close(updates, expected, rtol=1e-6)
+
+
+def _double(x):
+  return 2 * x
+
+
+def _tagged_sgd():
+  """SGD whose state carries a Python string: no jaxpr can return it."""
+  sgd = optax.sgd(1.0)
+
+  def init(params):
+    return (sgd.init(params), "tag")
+
+  def update(updates, state, params=None):
+    u, s = sgd.update(updates, state[0], params)
+    return u, (s, state[1])
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_the_skip_falls_back_with_a_warning_and_the_same_results():
+  tx = ols.dynamic_loss_scale(_tagged_sgd(), initial_scale=4.0)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  with pytest.warns(ols.SkipFallbackWarning, match="selects the state after"):
+    updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, params)
+  chex.assert_trees_all_equal(updates, {"w": jnp.array([-1.0, -2.0])})
+  assert state.inner_state[1] == "tag"
+  with pytest.warns(ols.SkipFallbackWarning):
+    updates, state = tx.update({"w": jnp.array([jnp.nan, 8.0])}, state, params)
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
+  assert int(state.skipped_steps) == 1 and float(state.loss_scale) == 2.0
+
+
 def test_the_plain_select_would_copy_the_state():
   """The reason for the rewrite: selecting after the update copies the state."""
   params = _params(16, 65536)
@@ -123,15 +223,13 @@ def test_the_plain_select_would_copy_the_state():
   inner = optax.adam(1e-3)
 
   def init(p):
-    return ols.LossScaleState(
-      *_core.initial_counters(_core.LossScaleConfig()), inner.init(p)
-    )
+    return _core.initial_state(_config.LossScaleConfig(), inner.init(p))
 
   def update(g, state, p):
     ok = _core.all_finite(g)
     u, s = inner.update(g, state.inner_state, p)
-    u = _core.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
-    return u, state._replace(inner_state=_core.select_tree(ok, s, state.inner_state))
+    u = _skip.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
+    return u, state._replace(inner_state=_skip.select_tree(ok, s, state.inner_state))
 
   naive = _compiled(optax.GradientTransformation(init, update), params, grads)
   param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))

@@ -1,0 +1,73 @@
+"""Scaling a loss by the state's loss scale, and differentiating it.
+
+:func:`value_and_grad` gives the gradients that the loss-scale
+transformations' ``update`` expects (those of ``loss * scale``) and the loss
+as the function returned it. :func:`scaled_loss_fn` is the one place where a
+loss function is scaled; the Flax helpers use it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from optax_lossscale import _core, _state
+
+__all__ = ["scale_loss", "scaled_loss_fn", "value_and_grad"]
+
+
+def scale_loss(loss: Any, opt_state: Any) -> jax.Array:
+  """``loss * get_scale(opt_state)``, computed in at least float32."""
+  return _core.scale_value(loss, _state.get_scale(opt_state))
+
+
+def scaled_loss_fn(
+  fun: Callable[..., Any], scale: jax.Array, has_aux: bool
+) -> Callable[..., Any]:
+  """``fun`` returning ``(loss * scale, fun's own output)``, for ``has_aux`` grads."""
+
+  def scaled(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    loss = out[0] if has_aux else out
+    return _core.scale_value(loss, scale), out
+
+  return scaled
+
+
+def value_and_grad(
+  fun: Callable[..., Any],
+  argnums: int | Sequence[int] = 0,
+  has_aux: bool = False,
+) -> Callable[..., Any]:
+  """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss.
+
+  Args:
+    fun: the loss function; returns a scalar (or ``(loss, aux)`` with
+      ``has_aux=True``).
+    argnums: which positional arguments of ``fun`` to differentiate.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+  Returns:
+    A function ``g(opt_state, *args, **kwargs) -> (value, grads)``: ``value``
+    is ``fun``'s own output (the loss unscaled, in its own dtype, with
+    ``aux``) and ``grads`` are the gradients of ``loss * scale``, for the
+    loss-scaled optimizer's ``update``, which unscales them. ``opt_state``
+    is anything that ``get_scale`` accepts.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lossscale as ols
+    >>> tx = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0)
+    >>> state = tx.init(jnp.ones(2))
+    >>> loss, grads = ols.value_and_grad(lambda p: jnp.sum(p))(state, jnp.ones(2))
+    >>> float(loss), grads
+    (2.0, Array([4., 4.], dtype=float32))
+  """
+
+  def wrapper(opt_state, *args, **kwargs):
+    scaled = scaled_loss_fn(fun, _state.get_scale(opt_state), has_aux)
+    (_, out), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(*args, **kwargs)
+    return out, grads
+
+  return wrapper

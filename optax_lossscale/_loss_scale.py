@@ -1,0 +1,336 @@
+"""TensorFlow's ``LossScale`` objects, as a thin facade over the core functions.
+
+:class:`DynamicLossScale`, :class:`StaticLossScale` and :class:`NoOpLossScale`
+are immutable pytrees: their leaves are a :class:`LossScaleState`'s counters
+(device arrays), their :class:`LossScaleConfig` is static metadata (never a
+leaf, so ``jax.jit`` can neither trace nor drop it). Calling one gives the
+current scale; ``update(grads)`` gives the next object and whether to apply
+the step, as TensorFlow's ``LossScale.update`` does. TensorFlow's argument
+names (``initial_loss_scale``, ``increment_period``, ``multiplier``) are
+accepted here, and only here.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_lossscale import _config, _core, _validate
+from optax_lossscale._config import LossScaleConfig
+from optax_lossscale._core import LossScaleState
+
+__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
+
+
+class LossScale:
+  """Base class: a loss scale as an immutable pytree (TensorFlow's ``LossScale``).
+
+  The counters of :class:`LossScaleState` are the leaves, readable as
+  attributes (``ls.loss_scale``, ``ls.good_steps``, …); :attr:`config` is
+  static metadata, kept intact through ``jax.jit``, ``jax.tree.map`` and
+  flatten/unflatten.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_lossscale as ols
+    >>> ls = ols.DynamicLossScale(initial_scale=2.0**10, growth_interval=2)
+    >>> float(ls())
+    1024.0
+    >>> grads = {"w": jnp.array([2048.0, 4096.0])}
+    >>> ls.unscale(grads)["w"]
+    Array([2., 4.], dtype=float32)
+    >>> ls, ok = ls.update({"w": jnp.array([jnp.inf])})
+    >>> bool(ok), float(ls())
+    (False, 512.0)
+  """
+
+  __slots__ = ("_state", "_config")
+
+  def __init__(self, config: LossScaleConfig):
+    self._config = config
+    self._state = _core.initial_state(config)
+
+  def replace(self, counters: LossScaleState) -> LossScale:
+    """The same loss scale (same config) with the counters of ``counters``."""
+    obj = object.__new__(type(self))
+    obj._config = self._config
+    obj._state = counters._replace(inner_state=None)
+    return obj
+
+  # -- pytree --------------------------------------------------------------
+
+  def tree_flatten_with_keys(self):
+    keys = [jax.tree_util.GetAttrKey(f) for f in _core.COUNTER_FIELDS]
+    return list(zip(keys, self.tree_flatten()[0], strict=True)), self._config
+
+  def tree_flatten(self):
+    return tuple(getattr(self._state, f) for f in _core.COUNTER_FIELDS), self._config
+
+  @classmethod
+  def tree_unflatten(cls, config, children):
+    obj = object.__new__(cls)
+    obj._config = config
+    obj._state = LossScaleState(*children)
+    return obj
+
+  # -- read access ---------------------------------------------------------
+
+  @property
+  def config(self) -> LossScaleConfig:
+    """The static hyper-parameters."""
+    return self._config
+
+  @property
+  def counters(self) -> LossScaleState:
+    """The state (``inner_state`` is ``None``: a loss scale wraps nothing)."""
+    return self._state
+
+  def get_config(self) -> dict[str, Any]:
+    """The constructor arguments (Python numbers): ``from_config`` inverts it."""
+    raise NotImplementedError
+
+  @classmethod
+  def from_config(cls, config: dict[str, Any]) -> LossScale:
+    """A fresh loss scale (initial counters) from :meth:`get_config`'s output."""
+    return cls(**config)
+
+  def __call__(self) -> jax.Array:
+    """The current loss scale, a float32 scalar."""
+    return self._state.loss_scale
+
+  def __repr__(self):
+    name = type(self).__name__
+    return f"{name}(scale={self._state.loss_scale!r}, config={self._config})"
+
+  # -- the operations ------------------------------------------------------
+
+  def scale_loss(self, loss: Any) -> jax.Array:
+    """The loss multiplied by the current scale, in at least float32."""
+    if self._config.noop:
+      return jnp.asarray(loss)
+    return _core.scale_value(loss, self._state.loss_scale)
+
+  def unscale(self, grads: Any) -> Any:
+    """Gradients of the scaled loss divided by the current scale."""
+    if self._config.noop:
+      return grads
+    return _core.unscale(grads, self._state.loss_scale)
+
+  def adjust(self, finite: jax.Array) -> tuple[LossScale, jax.Array]:
+    """The next loss scale given whether this step's gradients were finite."""
+    state, should_apply = _core.adjust(self._state, finite, self._config)
+    return self.replace(state), should_apply
+
+  def update(self, grads: Any, *, axis_name: Any = None) -> tuple[LossScale, jax.Array]:
+    """Checks already-unscaled ``grads`` and adjusts the scale.
+
+    Args:
+      grads: the unscaled gradients; ``None`` leaves are ignored.
+      axis_name: if set, the finite flag is ANDed across this mapped axis, so
+        every replica takes the same decision.
+
+    Returns:
+      ``(new_loss_scale, should_apply_gradients)``: a new object of the same
+      type and a scalar boolean array.
+    """
+    if self._config.noop:
+      return self, jnp.array(True)
+    return self.adjust(_core.reduce_flag(_core.all_finite(grads), axis_name))
+
+  def unscale_and_update(
+    self, scaled_grads: Any, *, axis_name: Any = None
+  ) -> tuple[Any, LossScale, jax.Array]:
+    """:meth:`unscale`, then :meth:`update`: what an optimizer step needs.
+
+    Returns ``(unscaled_grads, new_loss_scale, should_apply)``, computed by
+    the core's ``unscale_and_check`` as the optax transformations do.
+    """
+    grads, finite = _core.unscale_and_check(
+      scaled_grads, self._state.loss_scale, self._config, axis_name
+    )
+    new, should_apply = self.adjust(finite)
+    return grads, new, should_apply
+
+
+# The counters, read-only, as attributes (ls.loss_scale, ls.good_steps, ...).
+for _name in _core.COUNTER_FIELDS:
+  setattr(
+    LossScale,
+    _name,
+    property(operator.attrgetter(f"_state.{_name}"), doc=f"The state's ``{_name}``."),
+  )
+del _name
+
+
+# TensorFlow's argument names: (TensorFlow's, ours).
+_TF_NAMES = (
+  ("initial_loss_scale", "initial_scale"),
+  ("increment_period", "growth_interval"),
+)
+
+
+def _resolve_tf_names(ours: dict[str, Any], tf: dict[str, Any]) -> dict[str, Any]:
+  """Our keyword arguments with TensorFlow's merged in; giving both is an error.
+
+  ``ours`` and ``tf`` hold only the arguments the caller gave (``None`` means
+  not given); ``multiplier`` stands for both factors, the backoff being
+  ``1 / multiplier`` as in TensorFlow.
+  """
+  out = dict(ours)
+  for tf_name, name in _TF_NAMES:
+    if tf.get(tf_name) is None:
+      continue
+    if name in ours:
+      raise ValueError(
+        f"Give `{name}` or its TensorFlow name `{tf_name}`, not both "
+        f"(got {name}={ours[name]!r}, {tf_name}={tf[tf_name]!r})."
+      )
+    out[name] = tf[tf_name]
+  multiplier = tf.get("multiplier")
+  if multiplier is not None:
+    given = [n for n in ("growth_factor", "backoff_factor") if n in ours]
+    if given:
+      raise ValueError(
+        f"Give `{'`/`'.join(given)}` or TensorFlow's `multiplier`, not both "
+        f"(got multiplier={multiplier!r})."
+      )
+    growth_factor = _validate.as_float("multiplier", multiplier)
+    if growth_factor <= 1.0:
+      raise ValueError(f"`multiplier` must be > 1, got {multiplier!r}.")
+    out["growth_factor"] = growth_factor
+    out["backoff_factor"] = 1.0 / growth_factor
+  return out
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class DynamicLossScale(LossScale):
+  """Dynamic loss scaling (Keras ``LossScaleOptimizer``, torch ``GradScaler``).
+
+  Args:
+    initial_scale: the starting scale (default ``2**15``).
+    growth_interval: after this many finite steps in a row the scale is
+      multiplied by ``growth_factor`` (default 2000).
+    growth_factor: growth multiplier, > 1 (default 2).
+    backoff_factor: backoff multiplier on a non-finite step, in (0, 1)
+      (default 0.5).
+    min_scale: the scale never goes below this (positive, normal float32).
+    max_scale: the scale never goes above this (finite).
+    hysteresis: non-finite steps tolerated before backing off (Megatron-LM);
+      the count refills when the scale grows. 1 backs off on every one.
+    initial_loss_scale: TensorFlow's name for ``initial_scale``.
+    increment_period: TensorFlow's name for ``growth_interval``.
+    multiplier: TensorFlow's growth factor; the backoff factor is then
+      ``1 / multiplier``, as in TensorFlow.
+
+  Raises:
+    ValueError: an invalid value, or a TensorFlow name given together with
+      its counterpart, whatever the values (the message names both).
+
+  Example:
+    >>> import optax_lossscale as ols
+    >>> tf_style = ols.DynamicLossScale(initial_loss_scale=2048, increment_period=500)
+    >>> tf_style.config == ols.DynamicLossScale(2048, growth_interval=500).config
+    True
+  """
+
+  __slots__ = ()
+
+  def __init__(
+    self,
+    initial_scale: float | None = None,
+    *,
+    growth_interval: int | None = None,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    min_scale: float = _config.DEFAULT_MIN_SCALE,
+    max_scale: float = _config.DEFAULT_MAX_SCALE,
+    hysteresis: int = 1,
+    initial_loss_scale: float | None = None,
+    increment_period: int | None = None,
+    multiplier: float | None = None,
+  ):
+    ours = {
+      "initial_scale": initial_scale,
+      "growth_interval": growth_interval,
+      "growth_factor": growth_factor,
+      "backoff_factor": backoff_factor,
+    }
+    tf = {
+      "initial_loss_scale": initial_loss_scale,
+      "increment_period": increment_period,
+      "multiplier": multiplier,
+    }
+    given = {k: v for k, v in ours.items() if v is not None}
+    kwargs = _resolve_tf_names(given, tf)
+    super().__init__(
+      _config.dynamic_config(
+        min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis, **kwargs
+      )
+    )
+
+  # TensorFlow's attribute names.
+  @property
+  def initial_loss_scale(self) -> float:
+    return self._config.initial_scale
+
+  @property
+  def increment_period(self) -> int:
+    return self._config.growth_interval
+
+  @property
+  def multiplier(self) -> float:
+    return self._config.growth_factor
+
+  def get_config(self) -> dict[str, Any]:
+    c = self._config
+    return {
+      "initial_scale": c.initial_scale,
+      "growth_interval": c.growth_interval,
+      "growth_factor": c.growth_factor,
+      "backoff_factor": c.backoff_factor,
+      "min_scale": c.min_scale,
+      "max_scale": c.max_scale,
+      "hysteresis": c.hysteresis,
+    }
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class StaticLossScale(LossScale):
+  """A fixed loss scale (TensorFlow's ``FixedLossScale``).
+
+  Args:
+    scale: the fixed scale (positive, finite).
+    skip_nonfinite: skip steps whose gradients are not finite (default). With
+      ``False`` every step is applied, exactly as TensorFlow's
+      ``FixedLossScale``.
+  """
+
+  __slots__ = ()
+
+  def __init__(self, scale: float, *, skip_nonfinite: bool = True):
+    super().__init__(_config.static_config(scale, skip_nonfinite))
+
+  def get_config(self) -> dict[str, Any]:
+    return {
+      "scale": self._config.initial_scale,
+      "skip_nonfinite": self._config.skip_nonfinite,
+    }
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class NoOpLossScale(LossScale):
+  """Scale 1, nothing unscaled, nothing checked, every step applied.
+
+  For float32 or bfloat16 training through the same code path.
+  """
+
+  __slots__ = ()
+
+  def __init__(self):
+    super().__init__(_config.NOOP_CONFIG)
+
+  def get_config(self) -> dict[str, Any]:
+    return {}

@@ -1,0 +1,186 @@
+"""Keras' optimizer pieces in optax: names, learning rate, weight decay, clipping.
+
+What the Keras-style ``LossScaleOptimizer`` builds its chain from: an optax
+optimizer from a Keras name or config, the learning rate of the one
+``optax.inject_hyperparams`` in a state (read and replaced), Keras'
+decoupled weight decay, its per-leaf ``clipnorm`` and a fixed gradient
+factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale import _core, _state
+
+__all__ = [
+  "clip_each_by_norm",
+  "decoupled_weight_decay",
+  "get_learning_rate",
+  "inner_spec",
+  "set_learning_rate",
+  "unscale_by",
+]
+
+# optax aliases that a Keras optimizer name maps to, and Keras' default
+# learning rates (SGD 0.01, every other optimizer 0.001).
+_OPTIMIZERS = {
+  "sgd": optax.sgd,
+  "adam": optax.adam,
+  "adamw": optax.adamw,
+  "adamax": optax.adamax,
+  "nadam": optax.nadam,
+  "rmsprop": optax.rmsprop,
+  "adagrad": optax.adagrad,
+  "adadelta": optax.adadelta,
+  "adafactor": optax.adafactor,
+  "lamb": optax.lamb,
+  "lion": optax.lion,
+}
+_DEFAULT_LEARNING_RATE = {"sgd": 0.01}
+
+
+def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
+  """(the optax transformation, what ``get_config`` reports for it)."""
+  if isinstance(inner, optax.GradientTransformation):
+    return inner, inner
+  if isinstance(inner, str):
+    inner = {"class_name": inner, "config": {}}
+  if not (
+    isinstance(inner, Mapping)
+    and set(inner) <= {"class_name", "config"}
+    and isinstance(inner.get("class_name"), str)
+    and isinstance(inner.get("config", {}), Mapping)
+  ):
+    raise ValueError(
+      "`inner_optimizer` must be an optax GradientTransformation, an optimizer "
+      f"name such as 'adam', or {{'class_name': ..., 'config': {{...}}}}; got "
+      f"{inner!r}."
+    )
+  name = inner["class_name"].lower()
+  if name not in _OPTIMIZERS:
+    raise ValueError(
+      f"`inner_optimizer`: unknown optimizer {inner['class_name']!r}; known: "
+      f"{', '.join(sorted(_OPTIMIZERS))}."
+    )
+  config = {
+    "learning_rate": _DEFAULT_LEARNING_RATE.get(name, 0.001),
+    **inner.get("config", {}),
+  }
+  try:
+    tx = optax.inject_hyperparams(_OPTIMIZERS[name])(**config)
+  except TypeError as e:
+    raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
+  return tx, {"class_name": name, "config": config}
+
+
+def _is_inject_state(x: Any) -> bool:
+  return isinstance(
+    x, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+  ) and isinstance(x.hyperparams, Mapping)
+
+
+def _learning_rate_node(state: Any) -> Any:
+  try:
+    return _state.find_unique(
+      state,
+      lambda x: _is_inject_state(x) and "learning_rate" in x.hyperparams,
+      "optax.inject_hyperparams state with a learning_rate",
+    )
+  except ValueError as e:
+    raise ValueError(
+      f"{e} Build the inner optimizer with optax.inject_hyperparams(...) (or "
+      "pass it by name, e.g. 'adam') to read or change its learning rate."
+    ) from None
+
+
+def get_learning_rate(opt_state: Any) -> jax.Array:
+  """The learning rate of the one ``optax.inject_hyperparams`` in ``opt_state``.
+
+  After a step it is the rate that step used (schedules included).
+  """
+  state = _state.optimizer_state(opt_state)
+  return _state.unwrap(_learning_rate_node(state).hyperparams["learning_rate"])
+
+
+def set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
+  """``opt_state`` with the injected learning rate replaced (jit-friendly).
+
+  A rate that ``inject_hyperparams`` computes from a schedule is recomputed
+  on the next step; set rates given as numbers.
+  """
+  node = _learning_rate_node(opt_state)
+  old = node.hyperparams["learning_rate"]
+  new_node = node._replace(
+    hyperparams={
+      **node.hyperparams,
+      "learning_rate": jnp.asarray(learning_rate, jnp.result_type(old)),
+    }
+  )
+  return jax.tree.map(
+    lambda x: new_node if x is node else x,
+    opt_state,
+    is_leaf=lambda x: x is node,
+  )
+
+
+def decoupled_weight_decay(
+  inner: optax.GradientTransformation, weight_decay: float
+) -> optax.GradientTransformationExtraArgs:
+  """Keras' weight decay: ``p -= p * weight_decay * learning_rate`` each step.
+
+  The learning rate is the one the inner optimizer used this step, read from
+  its ``inject_hyperparams`` state; the decay uses the parameters before the
+  step, as Keras does.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    state = inner.init(params)
+    _learning_rate_node(state)  # a clear error now, not at the first step
+    return state
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is None:
+      raise ValueError("`weight_decay` needs the parameters: call update(..., params).")
+    updates, state = inner.update(updates, state, params, **extra_args)
+    lr = _learning_rate_node(state).hyperparams["learning_rate"]
+
+    def decay(u, p):
+      if not (_core.is_float_array(u) and _core.is_float_array(p)):
+        return u
+      step = p * jnp.asarray(weight_decay, p.dtype) * lr.astype(p.dtype)
+      return u - step.astype(u.dtype)
+
+    return jax.tree.map(decay, updates, params), state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def unscale_by(factor: float) -> optax.GradientTransformation:
+  """Divides the gradients by a fixed ``factor`` (Keras' ``loss_scale_factor``)."""
+  return optax.stateless(lambda updates, params=None: _core.unscale(updates, factor))
+
+
+def clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
+  """Keras' ``clipnorm``: each gradient leaf clipped to L2 norm ``max_norm``."""
+
+  def clip(updates, params=None):
+    del params
+
+    def one(g):
+      if not _core.is_float_array(g):
+        return g
+      # Keras' formula: g * max_norm / max(norm, max_norm), in float32.
+      g32 = g.astype(jnp.float32)
+      norm = jnp.sqrt(jnp.sum(jnp.square(g32)))
+      return (g32 * max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
+
+    return jax.tree.map(one, updates)
+
+  return optax.stateless(clip)

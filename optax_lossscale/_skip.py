@@ -1,0 +1,251 @@
+"""The skip: an inner update applied or skipped on a flag, at the cost of one pass.
+
+:func:`apply_or_skip` is what the loss-scale transformations call. It returns
+the inner transformation's updates and new state when the flag is true, and
+zero updates with the old state when it is false, with no branch and no host
+sync.
+
+The obvious form, :func:`select_after` (``select(ok, new_state, old_state)``
+after the update), is correct but costly when buffers are donated: the
+updates read the *unselected* new state (Adam's new moments), so XLA
+recomputes it in the kernel that writes the updates while the kernel that
+writes the selected state overwrites the old state in place, and it copies
+the whole old state first (BENCHMARKS.md measures it). Instead,
+:func:`apply_or_skip` evaluates the update's jaxpr with each new state leaf
+replaced, *where it is computed*, by its select against the old leaf, so
+everything downstream, the updates included, reads the selected state. When
+the flag is true nothing changes; when false only the updates change, and
+they are replaced by zeros. The kernels then have the inner update's own
+shape (state updated in place, updates reading it) plus one scalar predicate.
+
+The rewrite follows new state leaves into ``jax.jit``-ed and other plain
+calls (a jitted inner update keeps the saving); non-array arguments (a
+line search's ``value_fn``) are closed over as constants. If the update
+cannot be traced to a jaxpr and evaluated again, the skip falls back to
+:func:`select_after` and says so with a :class:`SkipFallbackWarning`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_lossscale import _core, _jaxpr
+
+__all__ = [
+  "SkipFallbackWarning",
+  "apply_or_skip",
+  "select",
+  "select_after",
+  "select_tree",
+  "update_on_selected_state",
+]
+
+
+def select(pred: jax.Array, on_true: jax.Array, on_false: Any) -> jax.Array:
+  """``lax.select`` of one array, ``on_false`` taken in ``on_true``'s dtype."""
+  return lax.select(pred, on_true, jnp.asarray(on_false, on_true.dtype))
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """``on_true`` where ``pred`` else ``on_false``, leaf by leaf.
+
+  Array leaves are selected with ``lax.select`` (no host sync, no branch);
+  other leaves are taken from ``on_true``. Dtypes and shapes must match.
+  """
+
+  def one(a, b):
+    if _core.is_array(a) and a.dtype != jax.dtypes.float0:
+      return select(pred, a, b)
+    return a
+
+  return jax.tree.map(one, on_true, on_false)
+
+
+class SkipFallbackWarning(UserWarning):
+  """The skip could not be placed inside the inner update (see the message)."""
+
+
+def _zeros_where_skipped(should_apply: jax.Array, updates: Any) -> Any:
+  zeros = jax.tree.map(lambda u: jnp.zeros_like(u) if _core.is_array(u) else u, updates)
+  return select_tree(should_apply, updates, zeros)
+
+
+def select_after(
+  inner: Any,
+  should_apply: jax.Array,
+  grads: Any,
+  inner_state: Any,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> tuple[Any, Any]:
+  """The skip as a select after the inner update (correct, but see above).
+
+  Returns:
+    ``(updates, new_state)``: ``inner``'s updates and new state if
+    ``should_apply``, else zero updates and ``inner_state``.
+  """
+  updates, new_state = inner.update(grads, inner_state, params, **extra_args)
+  return (
+    _zeros_where_skipped(should_apply, updates),
+    select_tree(should_apply, new_state, inner_state),
+  )
+
+
+def apply_or_skip(
+  inner: Any,
+  should_apply: jax.Array,
+  grads: Any,
+  inner_state: Any,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> tuple[Any, Any]:
+  """``inner.update`` if ``should_apply``, else zero updates and the old state.
+
+  The same results as :func:`select_after`, computed with the selects placed
+  where the new state is made (see the module's docstring).
+
+  Args:
+    inner: an ``optax.GradientTransformationExtraArgs``.
+    should_apply: a scalar boolean array.
+    grads, inner_state, params, extra_args: ``inner.update``'s arguments.
+
+  Returns:
+    ``(updates, new_state)``.
+
+  Raises:
+    ValueError: ``inner`` returned a state of another structure.
+  """
+  try:
+    updates, new_state = update_on_selected_state(
+      inner, should_apply, grads, inner_state, params, extra_args
+    )
+  except _StructureError as e:
+    raise ValueError(str(e)) from None
+  except Exception as e:  # noqa: BLE001 - reported, and retried the plain way
+    out = select_after(inner, should_apply, grads, inner_state, params, extra_args)
+    warnings.warn(
+      "The loss scale could not place its skip inside the inner update "
+      f"({type(e).__name__}: {e}); it selects the state after the update "
+      "instead. The results are the same, but when buffers are donated XLA "
+      "may copy the optimizer state on every step.",
+      SkipFallbackWarning,
+      stacklevel=4,
+    )
+    return out
+  return _zeros_where_skipped(should_apply, updates), new_state
+
+
+class _StructureError(Exception):
+  pass
+
+
+def update_on_selected_state(
+  inner: Any,
+  should_apply: jax.Array,
+  grads: Any,
+  inner_state: Any,
+  params: Any,
+  extra_args: dict[str, Any],
+) -> tuple[Any, Any]:
+  """``inner.update`` with each new state leaf selected where it is made.
+
+  Returns:
+    ``(updates, new_state)`` where ``new_state`` is ``inner``'s new state if
+    ``should_apply`` else ``inner_state``, and ``updates`` are ``inner``'s
+    updates if ``should_apply`` (garbage otherwise: the caller zeroes them).
+  """
+  leaves, treedef = jax.tree.flatten((grads, inner_state, params, extra_args))
+  traced = [i for i, x in enumerate(leaves) if _core.is_array(x)]
+
+  def flat_update(*arrays):
+    full = list(leaves)
+    for i, x in zip(traced, arrays, strict=True):
+      full[i] = x
+    g, st, p, extra = jax.tree.unflatten(treedef, full)
+    return inner.update(g, st, p, **extra)
+
+  arrays = [leaves[i] for i in traced]
+  closed, (updates_shape, state_shape) = jax.make_jaxpr(flat_update, return_shape=True)(
+    *arrays
+  )
+  if jax.tree.structure(state_shape) != jax.tree.structure(inner_state):
+    raise _StructureError(
+      "The wrapped transformation returned a state of another structure than "
+      "the one it was given."
+    )
+  old_state = jax.tree.leaves(inner_state)
+  n_updates = len(jax.tree.leaves(updates_shape))
+  state_outvars = closed.jaxpr.outvars[n_updates:]
+
+  # The selector of each new state leaf, keyed by the variable that holds it
+  # (the first leaf's, should two leaves be the same value).
+  selectors: dict[Any, Callable[[Any], Any]] = {}
+  for i, v in enumerate(state_outvars):
+    if isinstance(v, _jaxpr.Var) and v not in selectors:
+      selectors[v] = lambda x, old=old_state[i]: select(should_apply, x, old)
+  outs, selected = _evaluate_selecting(closed.jaxpr, closed.consts, arrays, selectors)
+
+  state_flat = []
+  first: dict[Any, int] = {}
+  for i, (v, x) in enumerate(zip(state_outvars, outs[n_updates:], strict=True)):
+    if isinstance(v, _jaxpr.Var) and v in selected and first.setdefault(v, i) == i:
+      state_flat.append(x)  # selected where it was made
+    else:  # passed through, a literal, or a repeated value: select it here
+      state_flat.append(select(should_apply, x, old_state[i]))
+  return (
+    jax.tree.unflatten(jax.tree.structure(updates_shape), outs[:n_updates]),
+    jax.tree.unflatten(jax.tree.structure(state_shape), state_flat),
+  )
+
+
+def _evaluate_selecting(
+  jaxpr: Any, consts: Any, args: Any, selectors: dict[Any, Callable[[Any], Any]]
+) -> tuple[list, set[Any]]:
+  """Evaluates ``jaxpr``, applying ``selectors[v]`` where ``v`` is computed.
+
+  A call equation (``jax.jit`` and the like) whose outputs are to be
+  selected is evaluated by its body, with the selectors moved onto the body's
+  variables, so that what the body computes from them reads them selected.
+
+  Returns:
+    The outputs, and the variables of ``selectors`` that were selected.
+  """
+  applied: set[Any] = set()
+
+  def eval_eqn(eqn, invals):
+    body = _jaxpr.call_body(eqn)
+    if body is None or not any(v in selectors for v in eqn.outvars):
+      return _jaxpr.bind(eqn, invals)
+    sub_jaxpr, sub_consts = body
+    made_inside = {v for e in sub_jaxpr.eqns for v in e.outvars}
+    sub_selectors: dict[Any, Callable[[Any], Any]] = {}
+    moved = []
+    for outer, inner in zip(eqn.outvars, sub_jaxpr.outvars, strict=True):
+      if (
+        outer in selectors
+        and isinstance(inner, _jaxpr.Var)
+        and inner in made_inside
+        and inner not in sub_selectors
+      ):
+        sub_selectors[inner] = selectors[outer]
+        moved.append(outer)
+    if not sub_selectors:
+      return _jaxpr.bind(eqn, invals)
+    outs, _ = _evaluate_selecting(sub_jaxpr, sub_consts, invals, sub_selectors)
+    applied.update(moved)
+    return outs
+
+  def on_output(v, x):
+    if v in selectors and v not in applied:
+      applied.add(v)
+      return selectors[v](x)
+    return x
+
+  outs = _jaxpr.evaluate(jaxpr, consts, args, eval_eqn, on_output)
+  return outs, applied

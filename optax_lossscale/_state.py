@@ -1,0 +1,233 @@
+"""Reading a loss scale out of an optimizer state: the scale, diagnostics, alarms.
+
+The state may sit anywhere in a nested optax state (``chain``,
+``MultiSteps``, ``inject_hyperparams``, ``masked``, …), or in a Flax
+``TrainState`` or ``nnx.Optimizer`` given directly (their ``opt_state``
+is searched; under NNX its leaves are ``nnx`` variables, unwrapped here).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from optax_lossscale import _config, _core, _validate
+from optax_lossscale._core import LossScaleState
+from optax_lossscale._loss_scale import LossScale
+
+__all__ = [
+  "NonFiniteStepsError",
+  "check_skipped_steps",
+  "counters",
+  "diagnostics",
+  "find_loss_scale_state",
+  "find_unique",
+  "get_scale",
+  "optimizer_state",
+  "unwrap",
+  "unwrap_variables",
+]
+
+
+def _is_scale_node(x: Any) -> bool:
+  return isinstance(x, (LossScaleState, LossScale))
+
+
+def optimizer_state(obj: Any) -> Any:
+  """The optax state held by ``obj``: itself, or its ``opt_state`` attribute.
+
+  Flax's ``TrainState`` and ``nnx.Optimizer`` keep the optax state in an
+  ``opt_state`` attribute; the helpers of this package accept them directly.
+  """
+  if _is_scale_node(obj) or isinstance(obj, (tuple, list, dict)):
+    return obj
+  inner = getattr(obj, "opt_state", None)
+  return obj if inner is None else inner
+
+
+def find_unique(tree: Any, predicate: Callable[[Any], bool], what: str) -> Any:
+  """The one node of ``tree`` (searched depth-first) for which ``predicate``.
+
+  Args:
+    tree: any pytree (an optax state, nested ``chain``/``MultiSteps``/...).
+    predicate: says whether a node is the one looked for; matching nodes are
+      not searched further.
+    what: a description of the node, for the error messages.
+
+  Raises:
+    ValueError: there is no such node, or more than one (with their paths).
+  """
+  if predicate(tree):
+    return tree
+  found = [
+    (path, node)
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=predicate)[0]
+    if predicate(node)
+  ]
+  if not found:
+    raise ValueError(
+      f"No {what} in this optimizer state (of type {type(tree).__name__})."
+    )
+  if len(found) > 1:
+    paths = ", ".join(jax.tree_util.keystr(p) or "<root>" for p, _ in found)
+    raise ValueError(
+      f"Found {len(found)} {what}s in this optimizer state (at {paths}); "
+      "expected exactly one."
+    )
+  return found[0][1]
+
+
+def find_loss_scale_state(opt_state: Any) -> LossScaleState | LossScale:
+  """The one :class:`LossScaleState` (or :class:`LossScale`) in ``opt_state``.
+
+  Searches nested optax states (``chain``, ``MultiSteps``,
+  ``inject_hyperparams``, ``masked``, …) and plain containers. Flax's
+  ``TrainState`` and ``nnx.Optimizer`` are accepted too (their
+  ``opt_state`` is searched); under NNX the fields are ``nnx`` variables.
+
+  Raises:
+    ValueError: when there is none, or more than one.
+  """
+  try:
+    return find_unique(optimizer_state(opt_state), _is_scale_node, "loss-scale state")
+  except ValueError as e:
+    raise ValueError(
+      f"{e} Build the optimizer with optax_lossscale.dynamic_loss_scale(...) "
+      "or static_loss_scale(...), and wrap it in one loss scale only."
+    ) from None
+
+
+def _is_variable(x: Any) -> bool:
+  """An ``nnx.Variable`` (anything but an array with a ``get_value`` method)."""
+  return not _core.is_array(x) and callable(getattr(x, "get_value", None))
+
+
+def unwrap(x: Any) -> Any:
+  """``x``, or the array an ``nnx`` variable holds."""
+  return x.get_value() if _is_variable(x) else x
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with ``nnx`` variables replaced by the arrays they hold."""
+  return jax.tree.map(unwrap, tree, is_leaf=_is_variable)
+
+
+def counters(opt_state: Any) -> LossScaleState:
+  """The loss-scale state in ``opt_state``, its ``inner_state`` left out."""
+  found = find_loss_scale_state(opt_state)
+  if isinstance(found, LossScale):
+    found = found.counters
+  return LossScaleState(**{f: unwrap(getattr(found, f)) for f in _core.COUNTER_FIELDS})
+
+
+def get_scale(opt_state: Any) -> jax.Array:
+  """The current float32 loss scale, wherever it sits in ``opt_state``.
+
+  Args:
+    opt_state: an optimizer state holding exactly one :class:`LossScaleState`
+      (at any depth), a :class:`LossScale` object, or an object with an
+      ``opt_state`` attribute (Flax ``TrainState``, ``nnx.Optimizer``).
+
+  Returns:
+    A float32 scalar array (traced under ``jax.jit``).
+
+  Raises:
+    ValueError: no loss-scale state, or more than one.
+  """
+  return counters(opt_state).loss_scale
+
+
+def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
+  """The loss-scale counters as device arrays, for logging (jit-friendly).
+
+  Args:
+    opt_state: anything :func:`get_scale` accepts.
+
+  Returns:
+    A dict of scalar arrays: ``loss_scale`` (float32), ``good_steps``,
+    ``hysteresis_left``, ``skipped_steps`` (total), ``consecutive_skips``
+    (int32) and ``last_step_skipped`` (bool). Inside ``jax.jit`` these are
+    traced values: return them from the step and fetch them when you log, no
+    host sync in the step.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lossscale as ols
+    >>> tx = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0)
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state)
+    >>> d = ols.diagnostics(state)
+    >>> float(d["loss_scale"]), int(d["skipped_steps"]), bool(d["last_step_skipped"])
+    (4.0, 1, True)
+  """
+  c = counters(opt_state)
+  out = {f: getattr(c, f) for f in _core.COUNTER_FIELDS}
+  out["last_step_skipped"] = c.consecutive_skips > 0
+  return out
+
+
+class NonFiniteStepsError(FloatingPointError):
+  """Too many skipped steps in a row: see the message for the likely cause."""
+
+
+def check_skipped_steps(
+  opt_state_or_diagnostics: Any,
+  *,
+  max_consecutive_skips: int = 32,
+  min_scale: float = _config.DEFAULT_MIN_SCALE,
+) -> None:
+  """Host-side: raises once ``max_consecutive_skips`` steps in a row were skipped.
+
+  Call it outside ``jax.jit`` every few steps (it fetches three scalars, a
+  host sync): the counters live in the state, so nothing is missed between
+  calls. A few skips in a row are normal (the scale backing off after an
+  overflow, about ``log2(scale / min_scale)`` of them at most); a run that
+  keeps skipping once the scale has reached ``min_scale`` produces NaN or
+  ``inf`` by itself, whatever the scale, and no loss scale can fix it.
+
+  Args:
+    opt_state_or_diagnostics: anything :func:`get_scale` accepts, or the
+      dict :func:`diagnostics` returned (fetched or not).
+    max_consecutive_skips: the limit, >= 1.
+    min_scale: the floor the loss scale was built with (for the message).
+
+  Raises:
+    NonFiniteStepsError: the limit was reached; the message says whether the
+      scale is at its floor (the model produces NaN/inf) or still backing off.
+    ValueError: a bad argument, or called on traced values inside ``jit``.
+  """
+  limit = _validate.as_int("max_consecutive_skips", max_consecutive_skips)
+  if limit < 1:
+    raise ValueError(f"`max_consecutive_skips` must be >= 1, got {limit}.")
+  d = opt_state_or_diagnostics
+  if not (isinstance(d, dict) and "consecutive_skips" in d):
+    d = diagnostics(d)
+  values = (d["consecutive_skips"], d["loss_scale"], d["skipped_steps"])
+  if any(isinstance(v, jax.core.Tracer) for v in values):
+    raise ValueError(
+      "check_skipped_steps is a host-side check: call it outside jax.jit, on "
+      "the state (or diagnostics) the step returned."
+    )
+  consecutive, scale, total = (np.asarray(v).item() for v in jax.device_get(values))
+  if consecutive < limit:
+    return
+  if scale <= min_scale:
+    cause = (
+      f"The loss scale is at its floor ({scale:g} <= min_scale={min_scale:g}) "
+      "and the gradients are still not finite: the model produces NaN or inf "
+      "at every scale (a NaN input or label, log(0), a division by zero, a "
+      "learning rate that made the parameters diverge), not a float16 "
+      "overflow that a smaller scale would fix."
+    )
+  else:
+    cause = (
+      f"The loss scale is {scale:g} and still backing off: the gradients "
+      "overflow at every scale tried so far. If this persists down to "
+      "min_scale, the model itself produces NaN or inf."
+    )
+  raise NonFiniteStepsError(
+    f"{consecutive} steps in a row were skipped for non-finite gradients "
+    f"({total} skipped in total; limit max_consecutive_skips={limit}). {cause}"
+  )

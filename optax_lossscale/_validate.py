@@ -1,0 +1,110 @@
+"""Validation of hyper-parameters: Python numbers in, checked numbers out.
+
+Every function takes the argument's name and its value, and either returns
+the value as a Python ``float``/``int`` or raises a ``ValueError`` that names
+the argument and quotes the value. Hyper-parameters are checked eagerly, when
+a transformation is built, never on traced values.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = [
+  "INT32_MAX",
+  "SCALE_RANGE",
+  "as_float",
+  "as_int",
+  "check_scale",
+  "float_in",
+  "int_in",
+  "optional_int_at_least",
+  "optional_positive",
+]
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+#: Every loss scale lies in ``[2**-126, 2**126]``: the scale *and its
+#: reciprocal* are then normal float32 numbers. XLA divides by a scalar by
+#: multiplying with its reciprocal, and a subnormal reciprocal is flushed to
+#: zero on some backends (CPU), which would silently zero every gradient.
+SCALE_RANGE = (2.0**-126, 2.0**126)
+
+
+def as_float(name: str, value: Any) -> float:
+  """``value`` as a finite Python float (a concrete real number, not a bool)."""
+  if isinstance(value, bool) or not isinstance(
+    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
+  ):
+    raise ValueError(f"`{name}` must be a real number, got {value!r}.")
+  try:
+    out = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError) as e:
+    raise ValueError(
+      f"`{name}` must be a concrete Python number (a hyper-parameter, not a "
+      f"traced value), got {value!r}."
+    ) from e
+  if not math.isfinite(out):
+    raise ValueError(f"`{name}` must be finite, got {value!r}.")
+  return out
+
+
+def as_int(name: str, value: Any) -> int:
+  """``value`` as a Python int (an integer, not a bool)."""
+  if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+    raise ValueError(f"`{name}` must be an integer, got {value!r}.")
+  return int(value)
+
+
+def float_in(name: str, value: Any, lo: float, hi: float) -> float:
+  """``value`` as a float in the closed interval ``[lo, hi]``."""
+  out = as_float(name, value)
+  if not lo <= out <= hi:
+    raise ValueError(f"`{name}` must be in [{lo}, {hi}], got {value!r}.")
+  return out
+
+
+def int_in(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
+  """``value`` as an int in ``[lo, hi]`` (by default, what int32 holds)."""
+  out = as_int(name, value)
+  if not lo <= out <= hi:
+    raise ValueError(f"`{name}` must be an integer in [{lo}, {hi}], got {value!r}.")
+  return out
+
+
+def optional_positive(name: str, value: Any) -> float | None:
+  """``None``, or ``value`` as a positive finite float."""
+  if value is None:
+    return None
+  out = as_float(name, value)
+  if out <= 0:
+    raise ValueError(f"`{name}` must be positive or None, got {value!r}.")
+  return out
+
+
+def optional_int_at_least(name: str, value: Any, minimum: int) -> int | None:
+  """``None``, or ``value`` as an int ``>= minimum``."""
+  if value is None:
+    return None
+  out = as_int(name, value)
+  if out < minimum:
+    raise ValueError(
+      f"`{name}` must be an integer >= {minimum} or None, got {value!r}."
+    )
+  return out
+
+
+def check_scale(name: str, value: Any) -> float:
+  """``value`` as a float in :data:`SCALE_RANGE`."""
+  out = as_float(name, value)
+  lo, hi = SCALE_RANGE
+  if not lo <= out <= hi:
+    raise ValueError(
+      f"`{name}` must lie in [2**-126, 2**126] (the scale and its reciprocal "
+      f"are then normal float32 numbers), got {value!r}."
+    )
+  return out
