@@ -32,7 +32,12 @@ Not part of the report's tables; each probe prints what it measured:
   ``posix_memalign`` can then leave holes it never reuses, and a process that
   allocates large aligned blocks in a loop may grow without bound.
 
-Run:  python benchmarks/probes.py [read] [mlp] [f16] [kernels] [faults]
+* jitted: XLA's bytes and temporary memory (deterministic, no timing) of
+  the update step when the inner update is itself ``jax.jit``-ed, once and
+  twice, against bare Adam and against the skip selecting after the update:
+  whether the skip's rewrite still avoids the copy of the state.
+
+Run:  python benchmarks/probes.py [read] [mlp] [f16] [kernels] [faults] [jitted]
 """
 
 from __future__ import annotations
@@ -52,9 +57,11 @@ import bench
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 import optax_lossscale as ols
+from optax_lossscale import _config, _skip, _transform
 
 
 def _median_ms(fn, args_cycle, calls=60, warmup=8):
@@ -371,6 +378,38 @@ def probe_faults(kept=False):
     subprocess.run([sys.executable, __file__, "faults-kept"], check=True)
 
 
+def probe_jitted():
+  params = bench.layers()
+  grads = bench.grads_like(params)
+  adam = optax.adam(bench.LR)
+  once = optax.GradientTransformation(adam.init, jax.jit(adam.update))
+  twice = optax.GradientTransformation(adam.init, jax.jit(jax.jit(adam.update)))
+  config = _config.dynamic_config(bench.SCALE)
+
+  def after(inner):
+    return _transform.loss_scale_transformation(inner, config, skip=_skip.select_after)
+
+  rows = [
+    ("bare adam", bench.bare_adam(params, grads)),
+    ("ours, adam", bench.ours(params, grads)),
+    ("ours, jitted adam", bench.ours(params, grads, ols.dynamic_loss_scale(once))),
+    (
+      "ours, twice-jitted adam",
+      bench.ours(params, grads, ols.dynamic_loss_scale(twice)),
+    ),
+    ("select after the update, adam", bench.ours(params, grads, after(adam))),
+    ("select after the update, jitted adam", bench.ours(params, grads, after(once))),
+  ]
+  print("update step, 8.4M float32 parameters in 64 leaves, buffers donated:")
+  for name, (step, carry, g) in rows:
+    compiled = jax.jit(step, donate_argnums=0).lower(carry, g).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    print(
+      f"  {name}: {bench.bytes_accessed(compiled) / 1e6:.1f} MB accessed, "
+      f"{temp / 1e6:.2f} MB temporary"
+    )
+
+
 def main(argv):
   if argv == ["faults-kept"]:
     probe_faults(kept=True)
@@ -378,7 +417,7 @@ def main(argv):
   if argv == ["kernels-one-core"]:
     probe_kernels(one_core=True)
     return
-  which = argv or ["read", "mlp", "f16", "kernels", "faults"]
+  which = argv or ["read", "mlp", "f16", "kernels", "faults", "jitted"]
   if "read" in which:
     probe_read()
   if "mlp" in which:
@@ -389,6 +428,8 @@ def main(argv):
     probe_kernels()
   if "faults" in which:
     probe_faults()
+  if "jitted" in which:
+    probe_jitted()
 
 
 if __name__ == "__main__":

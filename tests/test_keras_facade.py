@@ -1,4 +1,5 @@
-"""The Keras-style facade: seeds 000/001/003, base keyword arguments, EMA."""
+"""The Keras-style facade: TensorFlow's LossScaleOptimizer surface, Keras' optimizer
+keyword arguments, EMA."""
 
 import json
 import os
@@ -26,14 +27,14 @@ def _params():
 
 
 # --------------------------------------------------------------------------
-# Seed 000: the experimental constructor and its three get_config equalities.
+# TensorFlow's experimental constructor and its three get_config equalities.
 # --------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("inner", ["names", "shared object"])
-def test_seed_000_get_config_equalities(inner):
+def test_experimental_get_config_equalities(inner):
   if inner == "names":
-    sgd = lambda: "SGD"  # a fresh Keras-style optimizer per call, as the seed
+    sgd = lambda: "SGD"  # a fresh optimizer per call, as in TensorFlow
   else:
     shared = optax.sgd(0.01)
     sgd = lambda: shared
@@ -56,7 +57,7 @@ def test_seed_000_get_config_equalities(inner):
   assert L(sgd()).get_config() != L(sgd(), initial_scale=2048).get_config()
 
 
-def test_seed_000_subclassing_and_attributes():
+def test_experimental_subclassing_and_attributes():
   opt1 = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale="dynamic")
   opt2 = ols.LossScaleOptimizer("sgd")
   assert isinstance(opt1, ols.LossScaleOptimizer)

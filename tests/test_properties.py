@@ -1,4 +1,4 @@
-"""Property tests: the library against the pure-Python model of DESIGN.md §3."""
+"""Property tests: the library against the pure-Python model of the exact rule."""
 
 import jax
 import jax.numpy as jnp
