@@ -17,6 +17,7 @@ A primitive in no list runs in float32 (TF treats unlisted ops the same way).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -129,6 +130,8 @@ CLEAR_LIST = frozenset(
     "iota",
   }
 )
+
+_LOG = logging.getLogger("optax_lossscale")
 
 # Custom-derivative calls, whose bodies are inlined (their rules are not kept).
 _CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -332,7 +335,8 @@ def autocast(
   """``fun`` evaluated with per-primitive casting to ``compute_dtype``.
 
   Returns a function with ``fun``'s signature whose floating outputs have the
-  dtypes ``fun`` returns; integer and boolean values are never cast. It
+  dtypes ``fun`` returns; integer and boolean values are never cast; its
+  ``compute_dtype`` attribute is the half dtype it computes in. It
   rewrites ``fun``'s jaxpr, recursing into ``jit``, ``custom_jvp``/
   ``custom_vjp`` (their bodies are inlined: autodiff then differentiates the
   rewritten primal), ``checkpoint``, ``scan``, ``while_loop`` and ``cond``,
@@ -380,6 +384,7 @@ def autocast(
     ]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
+  wrapped.compute_dtype = rules.half
   return wrapped
 
 
@@ -392,30 +397,46 @@ def enable_mixed_precision(
 ) -> tuple[Callable[..., Any], Any]:
   """TensorFlow's ``enable_mixed_precision_graph_rewrite``: autocast and a loss scale.
 
-  Returns ``(autocast(fun), loss-scaled optimizer)`` in one call.
+  Returns ``(autocast(fun), loss-scaled optimizer)`` in one call. Without
+  ``compute_dtype`` the dtype is the backend's (:func:`default_half_dtype`):
+  float16 with dynamic loss scaling on GPUs, bfloat16 *without* loss scaling
+  on CPUs and TPUs (bfloat16 needs none, and float16 is slow there). The
+  choice is logged at INFO level on the ``optax_lossscale`` logger and
+  readable as ``fast.compute_dtype``; pass ``compute_dtype=jnp.float16`` to
+  get loss scaling on a CPU.
 
   Args:
     fun: the float32 function to run in mixed precision (a model's apply or
       loss function).
-    optimizer: the optax transformation to wrap.
+    optimizer: the bare optax transformation to wrap (not one that already
+      holds a loss scale: its ``init`` would raise).
     compute_dtype: the half dtype (default: :func:`default_half_dtype`).
     **loss_scale_kwargs: passed to :func:`dynamic_loss_scale`.
 
   Returns:
-    ``(autocast(fun, compute_dtype=...), tx)``: with float16, ``tx`` is
-    ``dynamic_loss_scale(optimizer, **loss_scale_kwargs)``; with bfloat16,
-    which does not need loss scaling, ``optimizer`` wrapped in a
-    :class:`NoOpLossScale` (the same code path, scale 1).
+    ``(fast, tx)``: ``fast = autocast(fun, compute_dtype=...)``; with float16,
+    ``tx = dynamic_loss_scale(optimizer, **loss_scale_kwargs)``; with
+    bfloat16, ``optimizer`` wrapped in a :class:`NoOpLossScale` (the same
+    code path, scale 1).
   """
-  half = jnp.dtype(
-    _policy.default_half_dtype() if compute_dtype is None else compute_dtype
-  )
-  fast = autocast(fun, compute_dtype=half)
+  fast = autocast(fun, compute_dtype=compute_dtype)
+  half = fast.compute_dtype
   if half == jnp.float16:
-    return fast, _transform.dynamic_loss_scale(optimizer, **loss_scale_kwargs)
-  if loss_scale_kwargs:
+    tx = _transform.dynamic_loss_scale(optimizer, **loss_scale_kwargs)
+  elif loss_scale_kwargs:
     raise ValueError(
       f"Loss-scale arguments {sorted(loss_scale_kwargs)} given, but {half.name} "
       "does not need loss scaling."
     )
-  return fast, _transform.loss_scale_transformation(optimizer, _config.NOOP_CONFIG)
+  else:
+    tx = _transform.loss_scale_transformation(optimizer, _config.NOOP_CONFIG)
+  chosen = (
+    "given" if compute_dtype is not None else f"the {jax.default_backend()} default"
+  )
+  _LOG.info(
+    "enable_mixed_precision: compute dtype %s (%s), %s.",
+    half.name,
+    chosen,
+    "dynamic loss scaling" if half == jnp.float16 else "no loss scaling",
+  )
+  return fast, tx

@@ -15,12 +15,25 @@ import jax
 
 from optax_lossscale import _core, _state
 
-__all__ = ["scale_loss", "scaled_loss_fn", "value_and_grad"]
+__all__ = ["scale_for", "scale_loss", "scaled_loss_fn", "value_and_grad"]
 
 
 def scale_loss(loss: Any, opt_state: Any) -> jax.Array:
   """``loss * get_scale(opt_state)``, computed in at least float32."""
   return _core.scale_value(loss, _state.get_scale(opt_state))
+
+
+def scale_for(opt_state: Any, caller: str) -> jax.Array:
+  """``get_scale(opt_state)``, with an error that says what ``caller`` takes."""
+  try:
+    return _state.get_scale(opt_state)
+  except ValueError as e:
+    raise ValueError(
+      f"{caller} returns g(opt_state, *args, **kwargs): its first argument "
+      "must be the optimizer state holding the loss scale (or a Flax "
+      "TrainState or nnx.Optimizer), followed by the loss function's own "
+      f"arguments; got a {type(opt_state).__name__} first. {e}"
+    ) from None
 
 
 def scaled_loss_fn(
@@ -66,7 +79,8 @@ def value_and_grad(
   """
 
   def wrapper(opt_state, *args, **kwargs):
-    scaled = scaled_loss_fn(fun, _state.get_scale(opt_state), has_aux)
+    scale = scale_for(opt_state, "value_and_grad(fun)")
+    scaled = scaled_loss_fn(fun, scale, has_aux)
     (_, out), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(*args, **kwargs)
     return out, grads
 

@@ -23,17 +23,15 @@ __all__ = [
   "check_skipped_steps",
   "counters",
   "diagnostics",
+  "find_all",
   "find_loss_scale_state",
   "find_unique",
+  "is_loss_scale_state",
   "get_scale",
   "optimizer_state",
   "unwrap",
   "unwrap_variables",
 ]
-
-
-def _is_scale_node(x: Any) -> bool:
-  return isinstance(x, (LossScaleState, LossScale))
 
 
 def optimizer_state(obj: Any) -> Any:
@@ -42,31 +40,49 @@ def optimizer_state(obj: Any) -> Any:
   Flax's ``TrainState`` and ``nnx.Optimizer`` keep the optax state in an
   ``opt_state`` attribute; the helpers of this package accept them directly.
   """
-  if _is_scale_node(obj) or isinstance(obj, (tuple, list, dict)):
+  if is_loss_scale_state(obj) or isinstance(obj, (tuple, list, dict)):
     return obj
   inner = getattr(obj, "opt_state", None)
   return obj if inner is None else inner
 
 
+def find_all(tree: Any, predicate: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
+  """Every node of ``tree`` for which ``predicate``, at any depth.
+
+  Matching nodes are searched too, so a node nested inside another matching
+  node is found as well.
+
+  Returns:
+    ``(key path, node)`` pairs, depth-first.
+  """
+  found: list[tuple[Any, Any]] = []
+
+  def visit(node, prefix):
+    is_match = lambda x: x is not node and predicate(x)  # noqa: E731
+    for path, x in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_match)[0]:
+      if is_match(x):
+        found.append((prefix + path, x))
+        visit(x, prefix + path)
+
+  if predicate(tree):
+    found.append(((), tree))
+  visit(tree, ())
+  return found
+
+
 def find_unique(tree: Any, predicate: Callable[[Any], bool], what: str) -> Any:
-  """The one node of ``tree`` (searched depth-first) for which ``predicate``.
+  """The one node of ``tree`` (at any depth) for which ``predicate``.
 
   Args:
     tree: any pytree (an optax state, nested ``chain``/``MultiSteps``/...).
-    predicate: says whether a node is the one looked for; matching nodes are
-      not searched further.
+    predicate: says whether a node is the one looked for.
     what: a description of the node, for the error messages.
 
   Raises:
-    ValueError: there is no such node, or more than one (with their paths).
+    ValueError: there is no such node, or more than one (with their paths),
+      one inside the other included.
   """
-  if predicate(tree):
-    return tree
-  found = [
-    (path, node)
-    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=predicate)[0]
-    if predicate(node)
-  ]
+  found = find_all(tree, predicate)
   if not found:
     raise ValueError(
       f"No {what} in this optimizer state (of type {type(tree).__name__})."
@@ -78,6 +94,11 @@ def find_unique(tree: Any, predicate: Callable[[Any], bool], what: str) -> Any:
       "expected exactly one."
     )
   return found[0][1]
+
+
+def is_loss_scale_state(x: Any) -> bool:
+  """A :class:`LossScaleState` or a :class:`LossScale` object."""
+  return isinstance(x, (LossScaleState, LossScale))
 
 
 def find_loss_scale_state(opt_state: Any) -> LossScaleState | LossScale:
@@ -92,7 +113,9 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState | LossScale:
     ValueError: when there is none, or more than one.
   """
   try:
-    return find_unique(optimizer_state(opt_state), _is_scale_node, "loss-scale state")
+    return find_unique(
+      optimizer_state(opt_state), is_loss_scale_state, "loss-scale state"
+    )
   except ValueError as e:
     raise ValueError(
       f"{e} Build the optimizer with optax_lossscale.dynamic_loss_scale(...) "

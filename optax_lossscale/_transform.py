@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import optax
 
-from optax_lossscale import _config, _core, _skip
+from optax_lossscale import _config, _core, _skip, _state
 from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._core import LossScaleState
 from optax_lossscale._loss_scale import LossScale
@@ -72,7 +72,19 @@ def loss_scale_transformation(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
-    return _core.initial_state(config, inner.init(params))
+    inner_state = inner.init(params)
+    nested = _state.find_all(inner_state, _state.is_loss_scale_state)
+    if nested:
+      paths = ", ".join(".inner_state" + jax.tree_util.keystr(p) for p, _ in nested)
+      raise ValueError(
+        "The optimizer wrapped in this loss scale holds another loss scale "
+        f"(at {paths}): the gradients would be unscaled "
+        "twice and every update would be the loss scale times too small. Wrap "
+        "the bare optax optimizer in one loss scale only, e.g. "
+        "dynamic_loss_scale(optax.adam(1e-3)); LossScaleOptimizer and "
+        "enable_mixed_precision add their own, so give them the bare one too."
+      )
+    return _core.initial_state(config, inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, LossScaleState):

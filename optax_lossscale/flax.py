@@ -101,7 +101,8 @@ def nnx_value_and_grad(
   """
 
   def wrapper(optimizer, *args, **kwargs):
-    scaled = _grad.scaled_loss_fn(fun, _state.get_scale(optimizer), has_aux)
+    scale = _grad.scale_for(optimizer, "nnx_value_and_grad(fun)")
+    scaled = _grad.scaled_loss_fn(fun, scale, has_aux)
     (_, out), grads = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)(
       *args, **kwargs
     )

@@ -234,6 +234,26 @@ def test_enable_mixed_precision():
     )
 
 
+@pytest.mark.parametrize("compute_dtype", [None, jnp.float16, jnp.bfloat16])
+def test_enable_mixed_precision_says_what_it_chose(caplog, compute_dtype):
+  loss, params, _ = _setup("mlp")
+  with caplog.at_level("INFO", logger="optax_lossscale"):
+    fast, tx = ols.enable_mixed_precision(
+      loss, optax.sgd(0.1), compute_dtype=compute_dtype
+    )
+  # Without compute_dtype, the backend's: bfloat16 on the CPU.
+  expected = ols.default_half_dtype() if compute_dtype is None else compute_dtype
+  assert fast.compute_dtype == expected
+  float16 = expected == jnp.float16
+  how = f"the {jax.default_backend()} default" if compute_dtype is None else "given"
+  scaling = "dynamic loss scaling" if float16 else "no loss scaling"
+  assert [r.getMessage() for r in caplog.records] == [
+    f"enable_mixed_precision: compute dtype {jnp.dtype(expected).name} ({how}), "
+    f"{scaling}."
+  ]
+  assert float(ols.get_scale(tx.init(params))) == (2.0**15 if float16 else 1.0)
+
+
 def test_custom_vjp_body_is_rewritten():
   @jax.custom_vjp
   def scaled_tanh(x):

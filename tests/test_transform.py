@@ -283,6 +283,56 @@ def test_get_scale_errors():
     ols.get_scale(two.init(_params()))
 
 
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: ols.dynamic_loss_scale(ols.dynamic_loss_scale(optax.sgd(0.1))),
+    lambda: ols.static_loss_scale(ols.dynamic_loss_scale(optax.sgd(0.1)), 8.0),
+    lambda: ols.dynamic_loss_scale(
+      optax.chain(optax.clip(1.0), ols.static_loss_scale(optax.sgd(0.1), 8.0))
+    ),
+    lambda: ols.dynamic_loss_scale(
+      optax.MultiSteps(ols.dynamic_loss_scale(optax.sgd(0.1)), 2)
+    ),
+    lambda: ols.LossScaleOptimizer(ols.dynamic_loss_scale(optax.sgd(0.1))),
+    lambda: ols.dynamic_loss_scale(ols.LossScaleOptimizer("sgd")),
+    lambda: ols.enable_mixed_precision(
+      jnp.sum, ols.dynamic_loss_scale(optax.sgd(0.1)), compute_dtype=jnp.float16
+    )[1],
+    lambda: ols.enable_mixed_precision(
+      jnp.sum, ols.dynamic_loss_scale(optax.sgd(0.1)), compute_dtype=jnp.bfloat16
+    )[1],
+  ],
+)
+def test_a_loss_scale_inside_a_loss_scale_is_refused_at_init(make):
+  tx = make()
+  with pytest.raises(ValueError, match=r"holds another loss scale \(at \.inner_state"):
+    tx.init(_params())
+  with pytest.raises(ValueError, match="one loss scale only"):
+    jax.jit(tx.init)(_params())
+
+
+def test_get_scale_finds_a_loss_scale_inside_another():
+  state = ols.dynamic_loss_scale(optax.sgd(0.1)).init(_params())
+  nested = state._replace(inner_state=(optax.EmptyState(), state))
+  with pytest.raises(
+    ValueError, match=r"Found 2 loss-scale states.*<root>, \.inner_state\[1\]"
+  ):
+    ols.get_scale(nested)
+  with pytest.raises(ValueError, match="Found 2"):
+    ols.find_loss_scale_state(nested)
+  with pytest.raises(ValueError, match="Found 2"):
+    ols.diagnostics(nested)
+
+
+def test_value_and_grad_with_the_arguments_swapped_says_what_goes_first():
+  params = _params()
+  state = ols.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+  loss_fn = lambda p: jnp.sum(p["w"])
+  with pytest.raises(ValueError, match="first argument must be the optimizer state"):
+    ols.value_and_grad(loss_fn)(params, state)
+
+
 def test_get_scale_of_a_core_object():
   assert float(ols.get_scale(ols.DynamicLossScale(64.0))) == 64.0
 
