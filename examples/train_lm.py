@@ -1,0 +1,434 @@
+"""Train a small byte-level transformer on Python's own sources three ways.
+
+1. ``float32``: everything in float32.
+2. ``float16``: float32 parameters, float16 compute, no loss scaling.
+3. ``float16 + loss scale``: the same, with ``optax_lossscale.dynamic_loss_scale``.
+
+The text is the Python standard library's own top-level ``.py`` files (found
+with ``sysconfig``, read in sorted order): nothing is downloaded. The last
+``--val-fraction`` of the bytes is held out for validation. The model is a
+decoder-only transformer (pre-LayerNorm, GPT-2 initialisation) over the 256
+byte values, trained with ``optax.adam``; the loss is the softmax
+cross-entropy, computed in float32 from the logits and averaged over every
+token of the batch (``--batch`` x ``--context`` tokens).
+
+Why float16 loses gradients here: the gradient of a mean over N tokens with
+respect to one logit is (p - y) / N. With N in the thousands and most of the
+256 byte probabilities p small, many of these entries, and the activation
+gradients computed from them, fall below float16's smallest positive value
+(2**-24, about 6e-8) and become 0. Loss scaling multiplies the loss by S
+before differentiating, so they stay representable, and divides the
+gradients by S (in float32) before Adam sees them.
+
+The script prints a table (validation loss and bits per byte, gap to float32,
+skipped steps, final scale, fraction of gradient entries that underflowed)
+and writes a PNG with three panels: the loss over the steps; the fraction of
+gradient entries that underflowed, per layer for the float16 run; and the
+loss scale, skipped steps marked.
+
+Run:  python examples/train_lm.py [--steps N] [--out DIR]   (see --help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import sysconfig
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import optax_lossscale as ols
+
+VOCAB = 256  # one token per byte value
+
+
+def load_text(val_fraction: float):
+  """The standard library's top-level ``.py`` files, as bytes: (train, val)."""
+  stdlib = sysconfig.get_paths()["stdlib"]
+  files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+  data = b"".join(open(f, "rb").read() for f in files)
+  tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+  split = int(len(tokens) * (1 - val_fraction))
+  return tokens[:split], tokens[split:], len(files), stdlib
+
+
+def dense(features, dtype, **kw):
+  init = nn.initializers.normal(0.02)  # GPT-2's initialisation
+  return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32, kernel_init=init, **kw)
+
+
+class Block(nn.Module):
+  """Pre-LayerNorm causal self-attention and MLP, computing in ``dtype``."""
+
+  width: int
+  heads: int
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    b, t, _ = x.shape
+    d = self.width // self.heads
+    ln = lambda: nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32)
+    qkv = dense(3 * self.width, self.dtype, use_bias=False)(ln()(x))
+    q, k, v = jnp.split(qkv.reshape(b, t, 3 * self.heads, d), 3, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d).astype(self.dtype)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    # The softmax in float32, as mixed-precision recipes keep it.
+    scores = jnp.where(causal, scores.astype(jnp.float32), -1e9)
+    attn = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", attn, v).reshape(b, t, self.width)
+    x = x + dense(self.width, self.dtype)(out)
+    h = nn.gelu(dense(4 * self.width, self.dtype)(ln()(x)))
+    return x + dense(self.width, self.dtype)(h)
+
+
+class Transformer(nn.Module):
+  """A decoder-only byte-level transformer; parameters stay float32."""
+
+  layers: int
+  width: int
+  heads: int
+  context: int
+  dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, tokens):
+    emb = lambda n, name: nn.Embed(
+      n,
+      self.width,
+      dtype=self.dtype,
+      param_dtype=jnp.float32,
+      embedding_init=nn.initializers.normal(0.02),
+      name=name,
+    )
+    x = emb(VOCAB, "embed")(tokens) + emb(self.context, "pos")(
+      jnp.arange(tokens.shape[1])
+    )
+    for i in range(self.layers):
+      x = Block(self.width, self.heads, self.dtype, name=f"block_{i}")(x)
+    x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_out")(x)
+    return dense(VOCAB, self.dtype, name="head")(x)
+
+
+def loss_fn(model, params, tokens):
+  """Mean next-byte cross-entropy over every token, in float32."""
+  logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def layer_groups(params):
+  """Plot/table names of the parameter groups, from the input to the output."""
+  blocks = sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k[6:]))
+  groups = {"embeddings": ["embed", "pos"]}
+  groups.update({f"block {int(k[6:]) + 1}": [k] for k in blocks})
+  groups["output layer"] = ["ln_out", "head"]
+  return groups
+
+
+def make_underflow(groups):
+  """Per group: the fraction of entries that are 0 where the reference is not."""
+
+  @jax.jit
+  def underflow(grads, reference):
+    lost, total = [], []
+    for keys in groups.values():
+      g = jnp.concatenate([jnp.ravel(a) for k in keys for a in jax.tree.leaves(grads[k])])
+      r = jnp.concatenate(
+        [jnp.ravel(a) for k in keys for a in jax.tree.leaves(reference[k])]
+      )
+      lost.append(jnp.sum((g == 0) & (r != 0)))
+      total.append(jnp.sum(r != 0))
+    lost, total = jnp.stack(lost), jnp.stack(total)
+    per_group = lost / jnp.maximum(total, 1)
+    return jnp.append(per_group, lost.sum() / jnp.maximum(total.sum(), 1))
+
+  return underflow
+
+
+def make_step(model, tx, scaled):
+  @jax.jit
+  def step(params, opt_state, tokens):
+    f = lambda p: loss_fn(model, p, tokens)
+    if scaled:
+      # Gradients of loss * scale, with the scale this step starts with.
+      scale = ols.get_scale(opt_state)
+      loss, grads = ols.value_and_grad(f)(opt_state, params)
+      grads_applied = ols.unscale(grads, scale)  # what Adam sees, if finite
+    else:
+      scale = jnp.float32(1.0)
+      loss, grads = jax.value_and_grad(f)(params)
+      grads_applied = grads
+    updates, opt_state = tx.update(grads, opt_state, params)
+    skipped = (
+      ols.diagnostics(opt_state)["last_step_skipped"] if scaled else jnp.array(False)
+    )
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, loss, scale, skipped, grads_applied
+
+  return step
+
+
+def run(name, dtype, tx, cfg, batches, groups, shared, progress):
+  model = Transformer(cfg.layers, cfg.width, cfg.heads, cfg.context, dtype)
+  params = model.init(jax.random.key(cfg.seed), batches[0][:, :-1])["params"]
+  opt_state = tx.init(params)
+  scaled = name.endswith("loss scale")
+  step = make_step(model, tx, scaled)
+  hist = {"loss": [], "scale": [], "skipped": []}
+  lost_steps, lost = [], []
+  val_steps, val = [], []
+  for i, tokens in enumerate(batches):
+    if i % cfg.eval_every == 0:
+      val_steps.append(i)
+      val.append(shared["val_loss"](params))
+    old_params = params
+    params, opt_state, loss, scale, skipped, grads = step(params, opt_state, tokens)
+    if dtype != jnp.float32 and i % cfg.measure_every == 0:
+      lost_steps.append(i)
+      lost.append(shared["underflow"](grads, shared["ref_grad"](old_params, tokens)))
+    for k, v in zip(hist, (loss, scale, skipped), strict=True):
+      hist[k].append(v)
+    progress.update(1)
+  val_steps.append(len(batches))
+  val.append(shared["val_loss"](params))
+  hist = {k: np.asarray(jax.device_get(v), np.float64) for k, v in hist.items()}
+  hist["val_steps"], hist["val"] = np.array(val_steps), np.array(jax.device_get(val))
+  hist["lost_steps"] = np.array(lost_steps)
+  hist["lost"] = np.array(jax.device_get(lost)).reshape(len(lost_steps), len(groups) + 1)
+  # Underflow is only meaningful on steps whose gradients were applied.
+  applied = hist["skipped"][hist["lost_steps"]] == 0 if lost_steps else []
+  return dict(
+    name=name,
+    hist=hist,
+    val=float(hist["val"][-1]),
+    train=float(np.mean(hist["loss"][-cfg.eval_every :])),
+    skipped=int(hist["skipped"].sum()),
+    scale=float(ols.get_scale(opt_state)) if scaled else None,
+    lost=float(np.mean(hist["lost"][applied, -1])) if lost_steps else None,
+  )
+
+
+def smooth(y, n):
+  n = max(1, min(n, len(y)))
+  c = np.cumsum(np.insert(y, 0, 0.0))
+  out = np.empty_like(y)
+  out[n - 1 :] = (c[n:] - c[:-n]) / n
+  out[: n - 1] = c[1:n] / np.arange(1, n)
+  return out
+
+
+def plot(results, groups, cfg, path):
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  colors = {"float32": "C0", "float16": "C3", "float16 + loss scale": "C2"}
+  fig, (ax1, ax2, ax3) = plt.subplots(3, 1, figsize=(9, 11), sharex=True)
+  for r in results:
+    h, c = r["hist"], colors[r["name"]]
+    steps = np.arange(1, len(h["loss"]) + 1)
+    ax1.plot(steps, h["loss"], color=c, lw=0.5, alpha=0.25)
+    ax1.plot(steps, smooth(h["loss"], 20), color=c, lw=1.5, label=f"{r['name']}: training")
+    ax1.plot(
+      h["val_steps"],
+      h["val"],
+      "o--",
+      color=c,
+      ms=4,
+      lw=1,
+      label=f"{r['name']}: validation ({r['val']:.3f} at the end)",
+    )
+  ax1.set_ylabel("loss (nats per byte)")
+  lo = min(min(r["hist"]["val"].min(), smooth(r["hist"]["loss"], 20).min()) for r in results)
+  ax1.set_ylim(lo - 0.05, lo + 1.5)
+  ax1.set_title("Loss (training: 20-step running mean; validation: held-out bytes)")
+  ax1.legend(fontsize=8)
+
+  names = list(groups)
+  cmap = plt.get_cmap("Reds")
+  for r in results:
+    h = r["hist"]
+    if not len(h["lost_steps"]):
+      continue
+    x = h["lost_steps"] + 1
+    if r["name"] == "float16":
+      for j, g in enumerate(names):
+        shade = cmap(0.3 + 0.6 * j / max(1, len(names) - 1))
+        ax2.plot(x, 100 * h["lost"][:, j], color=shade, lw=1, label=f"float16, {g}")
+    ax2.plot(
+      x,
+      100 * h["lost"][:, -1],
+      color=colors[r["name"]],
+      lw=2.5,
+      label=f"{r['name']}, all parameters",
+    )
+  ax2.set_ylabel("gradient entries lost (%)")
+  ax2.set_title(
+    "Gradient entries that underflowed to 0 in float16 where float32's are not 0"
+  )
+  ax2.legend(fontsize=7, ncol=2)
+
+  s = [r for r in results if r["scale"] is not None][0]
+  scale = s["hist"]["scale"]
+  steps = np.arange(1, len(scale) + 1)
+  skipped = np.flatnonzero(s["hist"]["skipped"] > 0)
+  ax3.step(steps, scale, where="post", color=colors[s["name"]], label="loss scale")
+  ax3.scatter(
+    skipped + 1,
+    scale[skipped],
+    color="black",
+    marker="x",
+    zorder=3,
+    label=f"skipped step: gradients overflowed to inf/NaN ({len(skipped)})",
+  )
+  ax3.set_yscale("log", base=2)
+  ax3.set_ylabel("loss scale")
+  ax3.set_xlabel("training step")
+  ax3.set_title("Loss scale the step's gradients were computed with (float16 + loss scale)")
+  ax3.legend(fontsize=8)
+  fig.suptitle(
+    f"Byte-level transformer on Python's standard library ({cfg.layers} layers, "
+    f"width {cfg.width}, {cfg.batch}x{cfg.context} tokens per batch)"
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def parse_args(argv=None):
+  default_out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+  p = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument("--steps", type=int, default=300, help="training steps per run")
+  p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+  p.add_argument("--width", type=int, default=64, help="model width (embedding size)")
+  p.add_argument("--heads", type=int, default=4, help="attention heads per block")
+  p.add_argument("--context", type=int, default=128, help="bytes per sequence")
+  p.add_argument(
+    "--batch",
+    type=int,
+    default=64,
+    help="sequences per batch; the loss is the mean over batch x context tokens",
+  )
+  p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+  p.add_argument(
+    "--initial-scale", type=float, default=2.0**15, help="loss scale at step 1"
+  )
+  p.add_argument(
+    "--growth-interval",
+    type=int,
+    default=100,
+    help="steps without overflow after which the loss scale doubles",
+  )
+  p.add_argument(
+    "--measure-every",
+    type=int,
+    default=5,
+    help="measure the underflow every this many steps (costs a float32 backward pass)",
+  )
+  p.add_argument(
+    "--eval-every", type=int, default=50, help="validation loss every this many steps"
+  )
+  p.add_argument(
+    "--eval-sequences",
+    type=int,
+    default=64,
+    help="held-out sequences of --context bytes in the validation loss",
+  )
+  p.add_argument(
+    "--val-fraction",
+    type=float,
+    default=0.1,
+    help="fraction of the text (its end) held out for validation",
+  )
+  p.add_argument(
+    "--seed", type=int, default=0, help="initialisation and batch order (same for all runs)"
+  )
+  p.add_argument("--out", default=default_out, help="directory for the PNG plot")
+  return p.parse_args(argv)
+
+
+def main(argv=None):
+  cfg = parse_args(argv)
+  os.makedirs(cfg.out, exist_ok=True)
+  t0 = time.perf_counter()
+  train, val, n_files, stdlib = load_text(cfg.val_fraction)
+  print(
+    f"text: {n_files} files from {stdlib}, {len(train):,} bytes for training, "
+    f"{len(val):,} held out"
+  )
+  rng = np.random.default_rng(cfg.seed)
+  starts = rng.integers(0, len(train) - cfg.context - 1, (cfg.steps, cfg.batch))
+  batches = [train[s[:, None] + np.arange(cfg.context + 1)] for s in starts]
+  val_starts = np.linspace(0, len(val) - cfg.context - 1, cfg.eval_sequences).astype(int)
+  val_tokens = val[val_starts[:, None] + np.arange(cfg.context + 1)]
+
+  ref_model = Transformer(cfg.layers, cfg.width, cfg.heads, cfg.context, jnp.float32)
+  shape_params = ref_model.init(jax.random.key(0), batches[0][:, :-1])["params"]
+  groups = layer_groups(shape_params)
+  shared = dict(
+    # Validation loss of the trained float32 parameters, computed in float32.
+    val_loss=jax.jit(lambda p: loss_fn(ref_model, p, val_tokens)),
+    ref_grad=jax.jit(jax.grad(lambda p, t: loss_fn(ref_model, p, t))),
+    underflow=make_underflow(groups),
+  )
+
+  adam = lambda: optax.adam(cfg.lr)
+  configs = [
+    ("float32", jnp.float32, adam()),
+    ("float16", jnp.float16, adam()),
+    (
+      "float16 + loss scale",
+      jnp.float16,
+      ols.dynamic_loss_scale(
+        adam(), initial_scale=cfg.initial_scale, growth_interval=cfg.growth_interval
+      ),
+    ),
+  ]
+  with tqdm(total=3 * cfg.steps, desc="3 runs", unit="step") as progress:
+    results = []
+    for name, dtype, tx in configs:
+      progress.set_description(f"{name:>20}")
+      results.append(run(name, dtype, tx, cfg, batches, groups, shared, progress))
+
+  ref = results[0]["val"]
+  header = (
+    f"{'run':<22}{'val loss':>9}{'bits/byte':>10}{'gap':>8}{'skipped':>9}"
+    f"{'scale':>8}{'underflow':>11}"
+  )
+  print("\n" + header + "\n" + "-" * len(header))
+  for r in results:
+    scale = "-" if r["scale"] is None else f"{r['scale']:.0f}"
+    lost = "-" if r["lost"] is None else f"{r['lost']:.2%}"
+    print(
+      f"{r['name']:<22}{r['val']:>9.4f}{r['val'] / math.log(2):>10.3f}"
+      f"{r['val'] - ref:>+8.4f}{r['skipped']:>9d}{scale:>8}{lost:>11}"
+    )
+  print(
+    f"\nval loss: mean cross-entropy (nats per byte) on {cfg.eval_sequences} "
+    f"held-out sequences, computed in float32 after {cfg.steps} steps; gap: val "
+    "loss minus float32's. underflow: fraction of gradient entries that are 0 "
+    "where the float32 gradient at the same parameters and batch is not (every "
+    f"{cfg.measure_every} steps, steps that were not skipped). scale: the loss "
+    "scale after the last step; in the plot, the scale at step t is the one "
+    "step t's gradients were computed with (before that step's adjustment)."
+  )
+  path = os.path.join(cfg.out, "lm_loss_scale.png")
+  plot(results, groups, cfg, path)
+  print(f"plot: {path}\ntotal time: {time.perf_counter() - t0:.1f} s")
+  return results
+
+
+if __name__ == "__main__":
+  main()

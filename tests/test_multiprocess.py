@@ -1,0 +1,43 @@
+"""Many processes for real: jax.distributed on localhost, a NaN in one shard.
+
+Runs ``examples/multi_process.py``: worker processes with JAX's CPU
+collectives, a single-process reference of the same global batch, and the
+example's own comparison (same skips, scale and counters in every process
+after every step; parameters equal to the reference's; an Orbax checkpoint
+written by all processes restored in one, bit for bit).
+"""
+
+import re
+import subprocess
+
+import numpy as np
+import pytest
+from test_examples import run_example
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes, local_devices", [(2, 2), (4, 1)])
+def test_processes_agree_with_each_other_and_with_one_process(
+  tmp_path, processes, local_devices
+):
+  out = run_example(
+    "multi_process.py",
+    "--processes", processes, "--local-devices", local_devices,
+    "--steps", 24, "--nan-at", "4,5,17", "--bad-process", processes - 1,
+    "--save-at", 20, "--out", tmp_path, "--timeout", 240,
+  )  # fmt: skip
+  checks = re.findall(r"^(ok    |FAILED) (.*)$", out, re.M)
+  assert len(checks) == 5 and all(ok == "ok    " for ok, _ in checks), out
+  skipped = re.findall(r"^\s+(\d+)\s+\d+\s+yes\b", out, re.M)
+  assert skipped == ["4", "5", "17"], out
+  assert (tmp_path / "ckpt").is_dir()
+
+  # The comparison can fail: one process holding another scale at one step.
+  run = dict(np.load(tmp_path / "process0.npz"))
+  run["history/loss_scale"][10] *= 2
+  np.savez(tmp_path / "process0.npz", **run)
+  with pytest.raises(subprocess.CalledProcessError) as failed:
+    run_example(
+      "multi_process.py", "--compare", "--processes", processes, "--out", tmp_path
+    )
+  assert "FAILED every process holds the reference's scale" in failed.value.stdout
