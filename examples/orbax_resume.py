@@ -13,13 +13,21 @@ The first run trains 60 steps and saves at step 30; the second, a new
 process, restores step 30 and trains to 60. Both write their final state;
 they are bit-identical (``tests/test_flax_orbax.py`` checks it). ``--nan-at``
 puts a NaN into the batch of the given steps, so that steps are skipped and
-the scale backs off on both sides of the checkpoint.
+the scale backs off on both sides of the checkpoint. A checkpoint that
+already exists is an error before any training, unless ``--overwrite``.
+
+Or let it run both halves and compare them itself (exit 1 if they differ):
+
+  python examples/orbax_resume.py --compare
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -45,18 +53,92 @@ def flat(tree):
   return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=60)
-  parser.add_argument("--save-at", type=int, default=None)
-  parser.add_argument("--ckpt", default=None, help="directory for checkpoints")
-  parser.add_argument("--resume", default=None, help="checkpoint to restore")
-  parser.add_argument("--final", default=None, help=".npz for the final state")
-  parser.add_argument("--nan-at", default="10,31,32")
-  parser.add_argument("--batch", type=int, default=64)
-  args = parser.parse_args(argv)
-  nan_at = {int(s) for s in args.nan_at.split(",") if s}
+def parse(argv):
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--steps", type=int, default=60, help="train up to this step")
+  parser.add_argument(
+    "--save-at", type=int, default=None, help="save a checkpoint before this step"
+  )
+  parser.add_argument(
+    "--ckpt", default=None, help="directory for checkpoints (one per saved step)"
+  )
+  parser.add_argument(
+    "--overwrite", action="store_true", help="replace a checkpoint that exists"
+  )
+  parser.add_argument(
+    "--resume", default=None, help="checkpoint to restore (CKPT/STEP) and go on from"
+  )
+  parser.add_argument(
+    "--final", default=None, help=".npz file for the final state (every leaf)"
+  )
+  parser.add_argument(
+    "--nan-at", default="10,31,32", help="steps whose batch gets a NaN (comma list)"
+  )
+  parser.add_argument("--batch", type=int, default=64, help="batch size")
+  parser.add_argument(
+    "--compare",
+    action="store_true",
+    help="run both halves (saving at --save-at, default steps/2) in new "
+    "processes and say whether they end bit-identical",
+  )
+  return parser.parse_args(argv)
 
+
+def compare(args):
+  """Both halves in new processes; returns whether they ended bit-identical."""
+  save_at = args.save_at if args.save_at is not None else args.steps // 2
+  me = [sys.executable, os.path.abspath(__file__)]
+  common = [
+    "--steps",
+    str(args.steps),
+    "--nan-at",
+    args.nan_at,
+    "--batch",
+    str(args.batch),
+  ]
+  with tempfile.TemporaryDirectory() as tmp:
+    ckpt = args.ckpt or os.path.join(tmp, "ckpt")
+    a, b = os.path.join(tmp, "uninterrupted.npz"), os.path.join(tmp, "resumed.npz")
+    first = ["--save-at", str(save_at), "--ckpt", ckpt, "--final", a]
+    if args.overwrite:
+      first.append("--overwrite")
+    subprocess.run([*me, *common, *first], check=True)
+    resume = os.path.join(ckpt, str(save_at))
+    subprocess.run([*me, *common, "--resume", resume, "--final", b], check=True)
+    fa, fb = np.load(a), np.load(b)
+    differ = [
+      k
+      for k in fa.files
+      if k not in fb.files
+      or fa[k].dtype != fb[k].dtype
+      or not np.array_equal(fa[k], fb[k])
+    ]
+    differ += [k for k in fb.files if k not in fa.files]
+  if differ:
+    print(f"bit-identical: no ({len(differ)} leaves differ: {', '.join(differ[:5])})")
+  else:
+    print(f"bit-identical: yes (all {len(fa.files)} leaves of the final state)")
+  return not differ
+
+
+def main(argv=None):
+  args = parse(argv)
+  if args.compare:
+    raise SystemExit(0 if compare(args) else 1)
+  nan_at = {int(s) for s in args.nan_at.split(",") if s}
+  path = None
+  if args.save_at is not None:
+    if args.ckpt is None:
+      raise SystemExit("--save-at needs --ckpt, the directory for checkpoints")
+    path = os.path.join(os.path.abspath(args.ckpt), str(args.save_at))
+    if os.path.exists(path) and not args.overwrite:
+      raise SystemExit(
+        f"checkpoint {path} already exists: pass --overwrite to replace it, or "
+        "another --ckpt"
+      )
   data = load_data(0)
   model = MLP(dtype=jnp.float16)
   params = model.init(jax.random.key(0), data[0][:1])["params"]
@@ -80,9 +162,8 @@ def main(argv=None):
     return state.apply_gradients(grads=grads), loss
 
   for i in range(start, args.steps):
-    if args.save_at is not None and i == args.save_at:
-      path = os.path.join(os.path.abspath(args.ckpt), str(i))
-      checkpointer.save(path, state)
+    if path is not None and i == args.save_at:
+      checkpointer.save(path, state, force=args.overwrite)
       checkpointer.wait_until_finished()
       print(f"saved step {i}: {path}")
     x, y = batch(data, i, args.batch)
@@ -94,8 +175,8 @@ def main(argv=None):
   d = jax.device_get(state.diagnostics)
   print(
     f"step {args.steps}: applied {int(state.step)}  skipped "
-    f"{int(d['skipped_steps'])}  scale {float(d['loss_scale']):.0f}  "
-    f"loss {float(loss):.4f}"
+    f"{int(d['skipped_steps'])}  scale {float(d['loss_scale']):.0f} (after the "
+    f"last step's adjustment)  loss {float(loss):.4f}"
   )
   if args.final:
     np.savez(args.final, **flat(state))

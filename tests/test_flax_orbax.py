@@ -1,5 +1,7 @@
 """Flax Linen TrainState, Flax NNX nnx.Optimizer, Orbax checkpoints."""
 
+import subprocess
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -142,6 +144,22 @@ def test_orbax_restore_in_a_new_process_is_bit_identical(tmp_path):
   c = tmp_path / "fresh.npz"
   run_example(script, "--steps", 20, "--nan-at", "", "--final", c)
   assert not np.array_equal(np.load(c)[step[0]], fb[step[0]])
+
+
+@pytest.mark.slow
+def test_orbax_example_compares_both_halves_itself_and_refuses_to_overwrite(tmp_path):
+  out = run_example("orbax_resume.py", "--compare", "--steps", 24, "--nan-at", "3,13")
+  assert "bit-identical: yes" in out, out
+  args = ["--steps", 6, "--save-at", 3, "--ckpt", tmp_path / "ckpt", "--nan-at", ""]
+  run_example("orbax_resume.py", *args)
+  with pytest.raises(subprocess.CalledProcessError) as again:
+    run_example("orbax_resume.py", *args)
+  message = again.value.stderr.strip().splitlines()
+  assert message == [
+    f"checkpoint {tmp_path / 'ckpt' / '3'} already exists: pass --overwrite to "
+    "replace it, or another --ckpt"
+  ]
+  assert "saved step 3" in run_example("orbax_resume.py", *args, "--overwrite")
 
 
 @pytest.mark.slow
