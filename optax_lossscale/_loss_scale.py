@@ -53,12 +53,16 @@ class LossScale:
     self._config = config
     self._state = _core.initial_state(config)
 
-  def replace(self, counters: LossScaleState) -> LossScale:
-    """The same loss scale (same config) with the counters of ``counters``."""
-    obj = object.__new__(type(self))
-    obj._config = self._config
-    obj._state = counters._replace(inner_state=None)
-    return obj
+  def replace(self, counters: Any) -> LossScale:
+    """The same loss scale (same config) with other counters.
+
+    Args:
+      counters: a :class:`LossScaleState` (its ``inner_state`` is dropped), or
+        the five counters in the order of its fields (the pytree's leaves).
+    """
+    if isinstance(counters, LossScaleState):
+      counters = [getattr(counters, f) for f in _core.COUNTER_FIELDS]
+    return self.tree_unflatten(self._config, tuple(counters))
 
   # -- pytree --------------------------------------------------------------
 
@@ -71,6 +75,11 @@ class LossScale:
 
   @classmethod
   def tree_unflatten(cls, config, children):
+    if len(children) != len(_core.COUNTER_FIELDS):
+      raise ValueError(
+        f"A loss scale has {len(_core.COUNTER_FIELDS)} counters "
+        f"({', '.join(_core.COUNTER_FIELDS)}), got {len(children)}."
+      )
     obj = object.__new__(cls)
     obj._config = config
     obj._state = LossScaleState(*children)
@@ -165,6 +174,18 @@ for _name in _core.COUNTER_FIELDS:
 del _name
 
 
+class _DefaultFloat(float):
+  """A default value: tells "not given" from the same value given."""
+
+
+class _DefaultInt(int):
+  """A default value: tells "not given" from the same value given."""
+
+
+def _given(value: Any) -> bool:
+  return type(value) not in (_DefaultFloat, _DefaultInt)
+
+
 # TensorFlow's argument names: (TensorFlow's, ours).
 _TF_NAMES = (
   ("initial_loss_scale", "initial_scale"),
@@ -175,8 +196,8 @@ _TF_NAMES = (
 def _resolve_tf_names(ours: dict[str, Any], tf: dict[str, Any]) -> dict[str, Any]:
   """Our keyword arguments with TensorFlow's merged in; giving both is an error.
 
-  ``ours`` and ``tf`` hold only the arguments the caller gave (``None`` means
-  not given); ``multiplier`` stands for both factors, the backoff being
+  ``ours`` holds only the arguments the caller gave, ``tf`` TensorFlow's
+  (``None``: not given); ``multiplier`` stands for both factors, the backoff being
   ``1 / multiplier`` as in TensorFlow.
   """
   out = dict(ours)
@@ -240,11 +261,11 @@ class DynamicLossScale(LossScale):
 
   def __init__(
     self,
-    initial_scale: float | None = None,
+    initial_scale: float = _DefaultFloat(_config.DEFAULT_INITIAL_SCALE),
     *,
-    growth_interval: int | None = None,
-    growth_factor: float | None = None,
-    backoff_factor: float | None = None,
+    growth_interval: int = _DefaultInt(_config.DEFAULT_GROWTH_INTERVAL),
+    growth_factor: float = _DefaultFloat(_config.DEFAULT_GROWTH_FACTOR),
+    backoff_factor: float = _DefaultFloat(_config.DEFAULT_BACKOFF_FACTOR),
     min_scale: float = _config.DEFAULT_MIN_SCALE,
     max_scale: float = _config.DEFAULT_MAX_SCALE,
     hysteresis: int = 1,
@@ -263,8 +284,9 @@ class DynamicLossScale(LossScale):
       "increment_period": increment_period,
       "multiplier": multiplier,
     }
-    given = {k: v for k, v in ours.items() if v is not None}
-    kwargs = _resolve_tf_names(given, tf)
+    given = {k: v for k, v in ours.items() if _given(v)}
+    defaults = {k: type(v).__base__(v) for k, v in ours.items() if not _given(v)}
+    kwargs = {**defaults, **_resolve_tf_names(given, tf)}
     super().__init__(
       _config.dynamic_config(
         min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis, **kwargs

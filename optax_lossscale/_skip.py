@@ -19,8 +19,10 @@ they are replaced by zeros. The kernels then have the inner update's own
 shape (state updated in place, updates reading it) plus one scalar predicate.
 
 The rewrite follows new state leaves into ``jax.jit``-ed and other plain
-calls (a jitted inner update keeps the saving); non-array arguments (a
-line search's ``value_fn``) are closed over as constants. If the update
+calls (a jitted inner update keeps the saving; the call's ``in_shardings``
+and ``out_shardings`` become sharding constraints); non-array arguments (a
+line search's ``value_fn``) are closed over as constants, and state leaves
+that are not arrays are taken from the new state, as ``select_tree`` does. If the update
 cannot be traced to a jaxpr and evaluated again, the skip falls back to
 :func:`select_after` and says so with a :class:`SkipFallbackWarning`.
 """
@@ -47,8 +49,9 @@ __all__ = [
 ]
 
 
-def select(pred: jax.Array, on_true: jax.Array, on_false: Any) -> jax.Array:
+def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
   """``lax.select`` of one array, ``on_false`` taken in ``on_true``'s dtype."""
+  on_true = jnp.asarray(on_true)
   return lax.select(pred, on_true, jnp.asarray(on_false, on_true.dtype))
 
 
@@ -135,7 +138,7 @@ def apply_or_skip(
       "instead. The results are the same, but when buffers are donated XLA "
       "may copy the optimizer state on every step.",
       SkipFallbackWarning,
-      stacklevel=4,
+      stacklevel=3,  # the code that called the transformation's update
     )
     return out
   return _zeros_where_skipped(should_apply, updates), new_state
@@ -162,13 +165,16 @@ def update_on_selected_state(
   """
   leaves, treedef = jax.tree.flatten((grads, inner_state, params, extra_args))
   traced = [i for i, x in enumerate(leaves) if _core.is_array(x)]
+  returned: list[Any] = []
 
   def flat_update(*arrays):
     full = list(leaves)
     for i, x in zip(traced, arrays, strict=True):
       full[i] = x
     g, st, p, extra = jax.tree.unflatten(treedef, full)
-    return inner.update(g, st, p, **extra)
+    updates, new_state = inner.update(g, st, p, **extra)
+    returned[:] = jax.tree.leaves(new_state)  # Python numbers stay as they are
+    return updates, new_state
 
   arrays = [leaves[i] for i in traced]
   closed, (updates_shape, state_shape) = jax.make_jaxpr(flat_update, return_shape=True)(
@@ -187,14 +193,19 @@ def update_on_selected_state(
   # (the first leaf's, should two leaves be the same value).
   selectors: dict[Any, Callable[[Any], Any]] = {}
   for i, v in enumerate(state_outvars):
-    if isinstance(v, _jaxpr.Var) and v not in selectors:
+    if (
+      isinstance(v, _jaxpr.Var) and v not in selectors and _core.is_array(old_state[i])
+    ):
       selectors[v] = lambda x, old=old_state[i]: select(should_apply, x, old)
   outs, selected = _evaluate_selecting(closed.jaxpr, closed.consts, arrays, selectors)
 
   state_flat = []
   first: dict[Any, int] = {}
   for i, (v, x) in enumerate(zip(state_outvars, outs[n_updates:], strict=True)):
-    if isinstance(v, _jaxpr.Var) and v in selected and first.setdefault(v, i) == i:
+    if not _core.is_array(old_state[i]):  # a static leaf: the new one, as it
+      new = returned[i]  # was returned (select_tree takes it from on_true)
+      state_flat.append(x if _core.is_array(new) else new)
+    elif isinstance(v, _jaxpr.Var) and v in selected and first.setdefault(v, i) == i:
       state_flat.append(x)  # selected where it was made
     else:  # passed through, a literal, or a repeated value: select it here
       state_flat.append(select(should_apply, x, old_state[i]))
@@ -202,6 +213,20 @@ def update_on_selected_state(
     jax.tree.unflatten(jax.tree.structure(updates_shape), outs[:n_updates]),
     jax.tree.unflatten(jax.tree.structure(state_shape), state_flat),
   )
+
+
+def _constrain(values: list, shardings: Any) -> list:
+  """``values`` with the shardings a ``jax.jit`` call gave them (where any).
+
+  Evaluating a call's body in its place must keep what the call asked for:
+  ``in_shardings``/``out_shardings`` become sharding constraints.
+  """
+  if shardings is None:
+    return list(values)
+  return [
+    lax.with_sharding_constraint(x, s) if isinstance(s, jax.sharding.Sharding) else x
+    for x, s in zip(values, shardings, strict=True)
+  ]
 
 
 def _evaluate_selecting(
@@ -220,7 +245,12 @@ def _evaluate_selecting(
 
   def eval_eqn(eqn, invals):
     body = _jaxpr.call_body(eqn)
-    if body is None or not any(v in selectors for v in eqn.outvars):
+    if (
+      body is None
+      or not any(v in selectors for v in eqn.outvars)
+      or any(x is not None for x in eqn.params.get("in_layouts", ()))
+      or any(x is not None for x in eqn.params.get("out_layouts", ()))
+    ):
       return _jaxpr.bind(eqn, invals)
     sub_jaxpr, sub_consts = body
     made_inside = {v for e in sub_jaxpr.eqns for v in e.outvars}
@@ -237,9 +267,11 @@ def _evaluate_selecting(
         moved.append(outer)
     if not sub_selectors:
       return _jaxpr.bind(eqn, invals)
+    params = eqn.params
+    invals = _constrain(invals, params.get("in_shardings"))
     outs, _ = _evaluate_selecting(sub_jaxpr, sub_consts, invals, sub_selectors)
     applied.update(moved)
-    return outs
+    return _constrain(outs, params.get("out_shardings"))
 
   def on_output(v, x):
     if v in selectors and v not in applied:

@@ -78,9 +78,11 @@ def loss_scale_transformation(
       paths = ", ".join(".inner_state" + jax.tree_util.keystr(p) for p, _ in nested)
       raise ValueError(
         "The optimizer wrapped in this loss scale holds another loss scale "
-        f"(at {paths}): the gradients would be unscaled "
-        "twice and every update would be the loss scale times too small. Wrap "
-        "the bare optax optimizer in one loss scale only, e.g. "
+        f"(at {paths}). Two loss scales in one optimizer state cannot work: "
+        "get_scale cannot tell which one to scale the loss with, and unless "
+        "one is a NoOpLossScale the gradients are unscaled twice, making "
+        "every update the loss scale times too small. Wrap the bare optax "
+        "optimizer in one loss scale only, e.g. "
         "dynamic_loss_scale(optax.adam(1e-3)); LossScaleOptimizer and "
         "enable_mixed_precision add their own, so give them the bare one too."
       )

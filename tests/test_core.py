@@ -377,3 +377,21 @@ def test_all_finite_with_empty_leaves():
     bad = list(tree)
     bad[i] = bad[i].ravel().at[0].set(jnp.nan).reshape(bad[i].shape)
     assert not bool(jax.jit(ols.all_finite)(bad)), i
+
+
+@pytest.mark.parametrize(
+  "name", ["initial_scale", "growth_interval", "growth_factor", "backoff_factor"]
+)
+def test_none_is_not_a_default(name):
+  with pytest.raises(ValueError, match=name):
+    ols.DynamicLossScale(**{name: None})
+
+
+def test_replace_takes_a_state_or_the_five_counters():
+  ls = ols.DynamicLossScale(4.0)
+  other = ols.DynamicLossScale(8.0)
+  assert float(ls.replace(other.counters)()) == 8.0
+  assert float(ls.replace(tuple(jax.tree.leaves(other)))()) == 8.0
+  assert ls.replace(other.counters).config == ls.config
+  with pytest.raises(ValueError, match="5 counters"):
+    ls.replace(tuple(jax.tree.leaves(other))[:4])

@@ -6,6 +6,7 @@ reductions in the compiled step.
 """
 
 import re
+import warnings
 
 import chex
 import jax
@@ -206,14 +207,67 @@ def test_the_skip_falls_back_with_a_warning_and_the_same_results():
   tx = ols.dynamic_loss_scale(_tagged_sgd(), initial_scale=4.0)
   params = {"w": jnp.ones(2)}
   state = tx.init(params)
-  with pytest.warns(ols.SkipFallbackWarning, match="selects the state after"):
+  with pytest.warns(ols.SkipFallbackWarning, match="selects the state after") as w:
     updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, params)
+  assert w[0].filename == __file__  # it points at the call of update
   chex.assert_trees_all_equal(updates, {"w": jnp.array([-1.0, -2.0])})
   assert state.inner_state[1] == "tag"
   with pytest.warns(ols.SkipFallbackWarning):
     updates, state = tx.update({"w": jnp.array([jnp.nan, 8.0])}, state, params)
   chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2)})
   assert int(state.skipped_steps) == 1 and float(state.loss_scale) == 2.0
+
+
+def _counting_with_python_numbers():
+  """A state of a Python int (a static leaf) next to an array."""
+
+  def init(params):
+    del params
+    return (0, jnp.zeros([]))
+
+  def update(updates, state, params=None):
+    del params
+    return updates, (state[0] + 1, state[1] + 1)
+
+  return optax.GradientTransformation(init, update)
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_static_state_leaves_come_from_the_new_state_as_select_tree_does(ok):
+  inner = optax.with_extra_args_support(_counting_with_python_numbers())
+  grads = {"w": jnp.ones(2)}
+  state = inner.init(grads)
+  pred = jnp.asarray(ok)
+  u1, s1 = _skip.apply_or_skip(inner, pred, grads, state, None, {})
+  u2, s2 = _skip.select_after(inner, pred, grads, state, None, {})
+  assert s1[0] == s2[0] == 1 and type(s1[0]) is int
+  chex.assert_trees_all_equal((u1, s1[1]), (u2, s2[1]))
+
+
+@pytest.mark.parametrize(
+  "name, make",
+  [
+    ("optimistic_gradient_descent", lambda: optax.optimistic_gradient_descent(0.1)),
+    ("optimistic_adam_v2", lambda: optax.optimistic_adam_v2(0.1)),
+  ],
+)
+def test_literal_state_leaves_need_no_fallback(name, make):
+  """States that return a constant (a literal in the jaxpr) as a leaf."""
+  params = _params(2)
+  tx = ols.dynamic_loss_scale(make(), initial_scale=2.0)
+  plain = _transform.loss_scale_transformation(
+    make(), _config.dynamic_config(2.0), skip=_skip.select_after
+  )
+  state = tx.init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ols.SkipFallbackWarning)
+    for g in (2.0, jnp.nan, 4.0):
+      grads = jax.tree.map(lambda p, g=g: p * g, params)
+      u1, s1 = jax.jit(tx.update)(grads, state, params)
+      u2, s2 = jax.jit(plain.update)(grads, state, params)
+      # Equal but for the last bit: the selects change XLA's fusions.
+      chex.assert_trees_all_close((u1, s1), (u2, s2), rtol=1e-6, atol=1e-9)
+      state = s1
 
 
 def test_the_plain_select_would_copy_the_state():

@@ -302,6 +302,11 @@ def test_get_scale_errors():
     lambda: ols.enable_mixed_precision(
       jnp.sum, ols.dynamic_loss_scale(optax.sgd(0.1)), compute_dtype=jnp.bfloat16
     )[1],
+    # A NoOpLossScale unscales nothing, but two scales still leave get_scale
+    # unable to choose.
+    lambda: ols.dynamic_loss_scale(
+      ols.with_loss_scale(optax.sgd(0.1), ols.NoOpLossScale())
+    ),
   ],
 )
 def test_a_loss_scale_inside_a_loss_scale_is_refused_at_init(make):

@@ -300,3 +300,27 @@ def test_pmap_without_axis_name_lets_replicas_disagree():
   )
   skipped = np.asarray(state.skipped_steps).tolist()
   assert skipped == [int(i == BAD_DEVICE) for i in range(N)]
+
+
+def test_a_jitted_inner_update_keeps_its_out_shardings():
+  """The skip evaluates a jit's body in its place, keeping what it asked for."""
+  mesh = make_mesh()
+  replicated = NamedSharding(mesh, P())
+  sharded = NamedSharding(mesh, P("data"))
+  adam = optax.adam(1e-2)
+  params = {"w": jnp.ones(8 * N)}
+  state = adam.init(params)
+  shardings = (
+    jax.tree.map(lambda _: replicated, params),
+    jax.tree.map(lambda x: sharded if x.ndim else replicated, state),
+  )
+  inner = optax.GradientTransformation(
+    adam.init, jax.jit(adam.update, out_shardings=shardings)
+  )
+  tx = make_tx(inner)
+  ls_state = tx.init(params)
+  grads = {"w": jnp.arange(8.0 * N)}
+  for update in (tx.update, jax.jit(tx.update)):
+    _, new = update(grads, ls_state, params)
+    mu = new.inner_state[0].mu["w"]
+    assert mu.sharding.is_equivalent_to(sharded, mu.ndim), mu.sharding
