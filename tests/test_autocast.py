@@ -1,6 +1,5 @@
 """autocast and enable_mixed_precision: the rewritten jaxpr, values, gradients."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +9,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import optax_lossscale as ols
+
+pytest.importorskip("flax", reason="the models autocast is tested on are Flax's")
+import flax.linen as nn  # noqa: E402
 
 pytestmark = pytest.mark.standard_promotion  # Flax layers
 F16 = jnp.dtype(jnp.float16)

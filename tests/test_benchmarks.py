@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import versions
 
 import optax_lossscale as ols
 
@@ -76,6 +77,7 @@ def test_measure_many_runs_rounds_and_carries_donated_state(bench):
   assert jnp.array_equal(params["w"], jnp.ones((64, 32)))
 
 
+@versions.xla_figures
 def test_the_unused_check_reference_has_our_bytes(bench):
   """Ours reads what bare Adam plus one finite check reads, and its scalars.
 
@@ -102,6 +104,7 @@ def test_the_unused_check_reference_has_our_bytes(bench):
 
 @pytest.mark.filterwarnings("ignore:SelfAttention will be deprecated")
 def test_train_cases_build(bench):
+  pytest.importorskip("flax", reason="the train cases are Flax models")
   cases = bench.train_cases()
   assert len(cases) == 2
   for model, x, y in cases.values():
@@ -111,6 +114,7 @@ def test_train_cases_build(bench):
 
 
 def test_train_entries_time_equivalent_steps(bench):
+  pytest.importorskip("flax", reason="the train cases are Flax models")
   """The train-step table compares steps that compute the same training."""
   import flax.linen as nn
 

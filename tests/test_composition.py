@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import versions
 
 import optax_lossscale as ols
 
@@ -157,6 +158,7 @@ def _to_float32():
 
 
 @pytest.mark.parametrize("nesting", ["scale(MultiSteps)", "MultiSteps(scale)"])
+@versions.multisteps_dtypes
 def test_multisteps_keeps_dtypes_on_every_branch(nesting):
   """bfloat16 params, float32 updates: skip/apply and mid/end of window."""
   params = _params(jnp.bfloat16)

@@ -6,8 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import versions
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = versions.examples
 
 
 def run_example(name, *args):

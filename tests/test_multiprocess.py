@@ -12,9 +12,11 @@ import subprocess
 
 import numpy as np
 import pytest
+import versions
 from test_examples import run_example
 
 
+@versions.examples
 @pytest.mark.slow
 @pytest.mark.parametrize("processes, local_devices", [(2, 2), (4, 1)])
 def test_processes_agree_with_each_other_and_with_one_process(

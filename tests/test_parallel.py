@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import versions
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -88,6 +89,7 @@ def _loss(p, x):
   return jnp.sum((x @ p["w"] + p["b"][None]) ** 2)
 
 
+@versions.shard_map
 def test_shard_map_sharded_grads_need_axis_name():
   """ZeRO/FSDP inside shard_map: each device holds a shard of the gradients."""
   mesh = jax.make_mesh((1,), ("data",))
@@ -117,6 +119,7 @@ def test_shard_map_sharded_grads_need_axis_name():
   assert int(state.good_steps) == 1
 
 
+@versions.shard_map
 def test_shard_map_replicated_params_need_no_axis_name():
   """JAX sums the gradients of replicated parameters across devices itself."""
   mesh = jax.make_mesh((1,), ("data",))
@@ -131,6 +134,7 @@ def test_shard_map_replicated_params_need_no_axis_name():
   assert int(state.good_steps) == 1
 
 
+@versions.shard_map
 def test_shard_map_axis_name_must_cover_every_varying_axis():
   mesh = jax.make_mesh((1, 1), ("data", "model"))
   tx = ols.dynamic_loss_scale(optax.sgd(0.1), axis_name="data")

@@ -1,0 +1,59 @@
+"""What a test needs beyond the run-time dependencies, as skip markers.
+
+CI runs the suite twice: with the newest releases and the `test` extra
+(nothing skips), and with the oldest versions `pyproject.toml` allows and
+no extras, where the tests below skip with these reasons.
+"""
+
+import importlib.util
+
+import jax
+import optax
+import pytest
+
+
+def _version(module):
+  return tuple(int(p) for p in module.__version__.split(".")[:3] if p.isdigit())
+
+
+def _installed(*names):
+  return all(importlib.util.find_spec(n) is not None for n in names)
+
+
+JAX = _version(jax)
+
+#: The examples need the `examples` extra (Flax, scikit-learn, ...).
+examples = pytest.mark.skipif(
+  not _installed("flax", "sklearn", "matplotlib", "tqdm", "orbax"),
+  reason="the examples need the `examples` extra",
+)
+#: XLA's deterministic cost figures (bytes, temporary memory, kernel counts)
+#: are asserted against the XLA of the newest tested jax.
+xla_figures = pytest.mark.skipif(
+  JAX < (0, 10),
+  reason="XLA's cost figures are asserted for jax >= 0.10's XLA; older XLAs "
+  "fuse and allocate differently",
+)
+#: `jax.shard_map` (with its varying-axes types) is jax >= 0.7's.
+shard_map = pytest.mark.skipif(
+  not hasattr(jax, "shard_map"), reason="jax.shard_map needs jax >= 0.7"
+)
+
+
+def _multisteps_keeps_dtypes():
+  import jax.numpy as jnp
+
+  params = {"b": jnp.ones(2, jnp.bfloat16)}
+  tx = optax.MultiSteps(optax.sgd(0.5), 2)
+  with jax.numpy_dtype_promotion("standard"):  # optax's own code
+    state = tx.init(params)
+    _, new = tx.update({"b": jnp.ones(2, jnp.float32)}, state, params)
+  return new.acc_grads["b"].dtype == state.acc_grads["b"].dtype
+
+
+#: Older optax's own MultiSteps changes its accumulator's dtype on update.
+multisteps_dtypes = pytest.mark.skipif(
+  not _multisteps_keeps_dtypes(),
+  reason=f"optax {optax.__version__}'s own MultiSteps changes its accumulator's "
+  "dtype between init and update",
+)
