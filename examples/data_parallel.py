@@ -19,13 +19,29 @@ import sys
 
 
 def parse(argv):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=60)
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--devices", type=int, default=8)
-  parser.add_argument("--nan-at", default="10,11,40")
-  parser.add_argument("--bad-device", type=int, default=3)
-  parser.add_argument("--growth-interval", type=int, default=8)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--steps", type=int, default=60, help="training steps")
+  parser.add_argument(
+    "--batch", type=int, default=128, help="global batch (a multiple of --devices)"
+  )
+  parser.add_argument(
+    "--devices", type=int, default=8, help="simulated CPU devices in the mesh"
+  )
+  parser.add_argument(
+    "--nan-at", default="10,11,40", help="steps whose batch gets a NaN (comma list)"
+  )
+  parser.add_argument(
+    "--bad-device", type=int, default=3, help="the device whose shard gets the NaN"
+  )
+  parser.add_argument(
+    "--growth-interval",
+    type=int,
+    default=8,
+    help="finite steps in a row before the loss scale doubles",
+  )
   return parser.parse_args(argv)
 
 
@@ -82,6 +98,7 @@ def main(args):
   rng = np.random.default_rng(0)
   rows = args.batch // n
   print(f"{n} devices, global batch {args.batch} ({rows} rows per device)")
+  print("scale: the loss scale the step's gradients were computed with")
   print(f"{'step':>5} {'loss':>8} {'scale (all devices)':>20} {'skipped':>8}")
   disagreements = 0
   for i in range(args.steps):
@@ -91,8 +108,8 @@ def main(args):
       x = x.copy()
       x[args.bad_device * rows, 0] = np.nan
     x, y = jax.device_put(x, sharded), jax.device_put(y, sharded)
+    scales = on_each_device(opt_state.loss_scale)  # what this step computes with
     params, opt_state, loss = step(params, opt_state, x, y)
-    scales = on_each_device(opt_state.loss_scale)
     skipped = on_each_device(opt_state.consecutive_skips > 0)
     agree = len(set(scales)) == 1 and len(set(skipped)) == 1
     disagreements += not agree
@@ -107,8 +124,8 @@ def main(args):
   d = jax.device_get(ols.diagnostics(opt_state))
   print(
     f"skipped {int(d['skipped_steps'])} of {args.steps} steps; final scale "
-    f"{float(d['loss_scale']):.0f}; test accuracy {acc:.3f}; steps where the "
-    f"devices disagreed: {disagreements}"
+    f"{float(d['loss_scale']):.0f} (after the last step's adjustment); test "
+    f"accuracy {acc:.3f}; steps where the devices disagreed: {disagreements}"
   )
   return disagreements
 

@@ -23,11 +23,16 @@ from optax_lossscale.flax import LossScaleTrainState
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=600)
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--log-every", type=int, default=100)
-  parser.add_argument("--seed", type=int, default=0)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--steps", type=int, default=600, help="training steps")
+  parser.add_argument("--batch", type=int, default=128, help="batch size")
+  parser.add_argument(
+    "--log-every", type=int, default=100, help="print a line every this many steps"
+  )
+  parser.add_argument("--seed", type=int, default=0, help="data split and init seed")
   args = parser.parse_args(argv)
 
   x_train, x_test, y_train, y_test = load_data(args.seed)
@@ -40,19 +45,21 @@ def main(argv=None):
 
   @jax.jit
   def train_step(state, x, y):
+    scale = state.loss_scale  # the scale this step's gradients are computed with
     loss, grads = state.value_and_grad(lambda p: loss_fn(model, p, x, y))(state.params)
     state = state.apply_gradients(grads=grads)
-    return state, loss, state.diagnostics
+    return state, loss, scale, state.diagnostics
 
+  print("scale: the loss scale the step's gradients were computed with")
   rng = np.random.default_rng(args.seed)
   for i in range(args.steps):
     idx = rng.integers(0, len(x_train), args.batch)
-    state, loss, diag = train_step(state, x_train[idx], y_train[idx])
+    state, loss, scale, diag = train_step(state, x_train[idx], y_train[idx])
     if (i + 1) % args.log_every == 0:
       ols.check_skipped_steps(diag)  # raises if the run is stuck on NaN
       print(
         f"step {i + 1:5d}  loss {float(loss):.4f}  "
-        f"scale {float(diag['loss_scale']):>9.0f}  "
+        f"scale {float(scale):>9.0f}  "
         f"skipped {int(diag['skipped_steps'])}"
       )
 
@@ -64,7 +71,7 @@ def main(argv=None):
   d = jax.device_get(state.diagnostics)
   print(
     f"applied steps {int(state.step)}  skipped {int(d['skipped_steps'])}  "
-    f"final scale {float(d['loss_scale']):.0f}"
+    f"final scale {float(d['loss_scale']):.0f} (after the last step's adjustment)"
   )
   print(
     f"test accuracy {accuracy(state.params):.3f}  with EMA weights {accuracy(ema):.3f}"

@@ -54,11 +54,16 @@ def train_step(model, optimizer, x, y):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=600)
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--log-every", type=int, default=100)
-  parser.add_argument("--seed", type=int, default=0)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--steps", type=int, default=600, help="training steps")
+  parser.add_argument("--batch", type=int, default=128, help="batch size")
+  parser.add_argument(
+    "--log-every", type=int, default=100, help="print a line every this many steps"
+  )
+  parser.add_argument("--seed", type=int, default=0, help="data split and init seed")
   args = parser.parse_args(argv)
 
   x_train, x_test, y_train, y_test = load_data(args.seed)
@@ -66,15 +71,17 @@ def main(argv=None):
   tx = ols.dynamic_loss_scale(optax.adam(1e-3), growth_interval=50)
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
+  print("scale: the loss scale the step's gradients were computed with")
   rng = np.random.default_rng(args.seed)
   for i in range(args.steps):
     idx = rng.integers(0, len(x_train), args.batch)
+    scale = ols.get_scale(optimizer)  # the scale this step computes with
     loss, diag = train_step(model, optimizer, x_train[idx], y_train[idx])
     if (i + 1) % args.log_every == 0:
       ols.check_skipped_steps(diag)
       print(
         f"step {i + 1:5d}  loss {float(loss):.4f}  "
-        f"scale {float(diag['loss_scale']):>9.0f}  "
+        f"scale {float(scale):>9.0f}  "
         f"skipped {int(diag['skipped_steps'])}"
       )
 
@@ -83,7 +90,8 @@ def main(argv=None):
   # nnx.Optimizer.step counts every update call, skipped ones included.
   print(
     f"update calls {int(optimizer.step[...])}  skipped {int(diag['skipped_steps'])}  "
-    f"final scale {float(ols.get_scale(optimizer)):.0f}"
+    f"final scale {float(ols.get_scale(optimizer)):.0f} (after the last step's "
+    "adjustment)"
   )
   print(f"test accuracy {acc:.3f}")
 

@@ -71,9 +71,12 @@ def train(loss_fn, tx, params, data, steps, batch):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=1000)
-  parser.add_argument("--batch", type=int, default=128)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--steps", type=int, default=1000, help="training steps per run")
+  parser.add_argument("--batch", type=int, default=128, help="batch size")
   args = parser.parse_args(argv)
 
   data = load_data(0)
@@ -112,8 +115,8 @@ def main(argv=None):
   )
   print(
     f"enable_mixed_precision      test accuracy {accuracy(fast_apply, mp_params):.3f}"
-    f"  (skipped {int(d['skipped_steps'])} steps, "
-    f"final scale {float(d['loss_scale']):.0f})"
+    f"  (skipped {int(d['skipped_steps'])} steps, final scale "
+    f"{float(d['loss_scale']):.0f}, after the last step's adjustment)"
   )
   print(f"FLOPs in float16 (forward and backward of the loss): {half:.1%}")
 

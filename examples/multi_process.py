@@ -145,7 +145,7 @@ def train(args, process, processes):
   rows = args.batch // processes  # this process's rows of the global batch
   bad_row = args.bad_process * (args.batch // args.processes)
   rng = np.random.default_rng(0)  # every process draws the same global batch
-  history = {k: [] for k in ("loss", *COUNTERS, "agree")}
+  history = {k: [] for k in ("loss", "scale_used", *COUNTERS, "agree")}
   for i in range(args.steps):
     idx = rng.integers(0, len(x_train), args.batch)
     x, y = x_train[idx], y_train[idx]
@@ -155,6 +155,7 @@ def train(args, process, processes):
     mine = slice(process * rows, (process + 1) * rows)
     x = jax.make_array_from_process_local_data(sharded, x[mine])
     y = jax.make_array_from_process_local_data(sharded, y[mine])
+    history["scale_used"].append(local(opt_state.loss_scale))
     params, opt_state, loss = step(params, opt_state, x, y)
     history["loss"].append(local(loss))
     d = ols.diagnostics(opt_state)
@@ -218,19 +219,21 @@ def compare(args):
   nan_at = sorted(int(s) for s in args.nan_at.split(",") if s)
   hist = lambda run, k: run[f"history/{k}"]  # noqa: E731
   skipped = np.diff(hist(ref, "skipped_steps"), prepend=0) > 0
-  print("scale after: the scale after the step's adjustment (its gradients were")
-  print("computed with the one before); every process and the reference agree")
-  print(f"{'step':>5} {'scale after':>12} {'skipped':>8}")
+  print("scale: the loss scale the step's gradients were computed with (the same")
+  print("in every process and in the reference, as checked below)")
+  print(f"{'step':>5} {'scale':>12} {'skipped':>8}")
   for i in range(len(skipped)):
     note = f"  <- NaN in process {args.bad_process}'s shard" if i in nan_at else ""
-    scale = hist(ref, "loss_scale")[i]
+    scale = hist(ref, "scale_used")[i]
     print(f"{i:>5} {scale:>12.0f} {'yes' if skipped[i] else 'no':>8}{note}")
   checks = {
     "every device of every process agreed at every step": all(
       hist(r, "agree").all() for r in runs
     ),
     "every process holds the reference's scale and counters after every step": all(
-      np.array_equal(hist(r, k), hist(ref, k)) for r in runs for k in COUNTERS
+      np.array_equal(hist(r, k), hist(ref, k))
+      for r in runs
+      for k in ("scale_used", *COUNTERS)
     ),
     "the steps skipped are exactly the NaN steps": list(np.flatnonzero(skipped))
     == nan_at,

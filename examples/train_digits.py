@@ -163,14 +163,24 @@ def plot(results, path):
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--steps", type=int, default=1000)
-  parser.add_argument("--batch", type=int, default=128)
-  parser.add_argument("--lr", type=float, default=1e-3)
-  parser.add_argument("--growth-interval", type=int, default=50)
-  parser.add_argument("--seed", type=int, default=0)
+  parser = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument("--steps", type=int, default=1000, help="training steps per run")
+  parser.add_argument("--batch", type=int, default=128, help="batch size")
+  parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
   parser.add_argument(
-    "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    "--growth-interval",
+    type=int,
+    default=50,
+    help="finite steps in a row before the loss scale doubles",
+  )
+  parser.add_argument("--seed", type=int, default=0, help="data split and init seed")
+  parser.add_argument(
+    "--out",
+    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+    help="directory for the plot",
   )
   args = parser.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)

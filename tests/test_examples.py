@@ -61,7 +61,8 @@ def test_data_parallel_example():
       steps[int(m.group(1))] = (float(m.group(3)), m.group(4) == "yes")
   assert sorted(steps) == list(range(30))
   assert [s for s, (_, skipped) in steps.items() if skipped] == [5, 6, 20]
-  assert steps[5][0] == steps[4][0] / 2 and steps[6][0] == steps[4][0] / 4
+  # The scale a step's gradients were computed with: halved by each skip.
+  assert steps[6][0] == steps[5][0] / 2 and steps[7][0] == steps[5][0] / 4
   assert "steps where the devices disagreed: 0" in out
 
 
@@ -81,3 +82,18 @@ def test_mixed_precision_example():
   assert abs(acc["enable_mixed_precision"] - acc["float32 as written"]) <= 0.01 + 1e-9
   half = float(re.search(r"FLOPs in float16 .*: ([\d.]+)%", out).group(1))
   assert half > 90.0, out
+
+
+@pytest.mark.parametrize(
+  "name", sorted(p.name for p in (ROOT / "examples").glob("*.py"))
+)
+def test_every_example_option_says_what_it_does_and_its_default(name):
+  out = run_example(name, "--help")
+  options = out.split("options:", 1)[1]
+  # One entry per option: its flags, then what it does, the default last.
+  entries = re.split(r"\n  (?=-)", "\n" + options)[1:]
+  names = [re.match(r"(-[\w-]+)", e).group(1) for e in entries]
+  assert len(names) > 1 and names[0] == "-h", out
+  for entry in entries[1:]:
+    text = " ".join(entry.split())
+    assert re.search(r"\S+ .*\w.*\(default: .*\)$", text), (name, text)
