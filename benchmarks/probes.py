@@ -4,7 +4,7 @@ Not part of the report's tables; each probe prints what it measured:
 
 * read: the finite check alone on the update step's gradients, not in
   cache (8 gradient trees in rotation), chunked in several ways and written
-  with other exact formulas (integer, boolean, max, ``x * 0``).
+  with other formulas (the former ``x - x``, boolean, max, ``x * 0``).
 * mlp: XLA's bytes for the MLP train step of ``bench.py`` with the finite
   check written in several ways, against no check: whether any of them
   reads the transposed weight gradients in place.
@@ -112,6 +112,11 @@ def _two_stage_sum(total):
 # The check with another reduction or other exact float32 formulas: each
 # returns True when finite.
 _FORMULAS = [
+  (
+    "sum(x - x) (the check before it tested bits; folded away by fast-math)",
+    _grouped(lambda x: x - x, jnp.add, jnp.sum),
+    lambda r: jnp.isfinite(jnp.sum(r)),
+  ),
   (
     "two-stage reduction",
     _grouped(lambda x: x - x, jnp.add, _two_stage_sum),

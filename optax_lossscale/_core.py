@@ -108,30 +108,48 @@ def is_float_array(x: Any) -> bool:
   return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def _zero_if_finite(x: jax.Array) -> jax.Array:
-  """``x - x``: 0 where ``x`` is finite, NaN where it is ``inf`` or NaN."""
-  if jnp.iscomplexobj(x):
-    return (jnp.real(x) - jnp.real(x)) + (jnp.imag(x) - jnp.imag(x))
-  return x - x
+#: Unsigned integer dtypes of the float widths whose bits are tested directly.
+_UINT = {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
+  """``(x's exponent bits as unsigned integers, the all-ones exponent)``.
+
+  An IEEE float is ``inf`` or NaN exactly when its exponent bits are all
+  ones. Integer ``&``, ``max`` and ``==`` cannot be folded by any
+  floating-point simplification (fast-math flags fold ``x - x`` to 0 and
+  ``isnan`` to false), so the test holds whatever flags XLA runs with.
+  float16, bfloat16, float32 and float64 are tested as they are; other
+  floating dtypes (float8 formats, whose all-ones exponent can be finite)
+  are converted to float32 first, which is exact and keeps ``inf`` and NaN.
+  """
+  if x.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+    x = x.astype(_F32)
+  info = jnp.finfo(x.dtype)
+  uint = _UINT[info.bits]
+  mask = ((1 << info.nexp) - 1) << info.nmant
+  return lax.bitcast_convert_type(x, uint) & np.asarray(mask, uint), mask
 
 
 def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
   """Whether every element of every floating leaf of ``tree`` is finite.
 
   ``None``, integer, boolean, ``float0`` and non-array leaves (such as
-  ``optax.MaskedNode``) are ignored; an empty tree is finite.
+  ``optax.MaskedNode``) are ignored; an empty tree is finite. Complex leaves
+  are checked in both parts.
 
-  Each entry becomes ``x - x`` (0 when finite, NaN otherwise), so a sum of
-  them is NaN exactly when an entry is not finite and can never overflow.
-  Leaves of one size and dtype are added elementwise, ``chunk`` at a time,
-  before one reduction: each entry is read once, and the number of kernels
-  (and XLA's compile time) grows with the number of groups, not of leaves.
-  The chunks' sums are added into the smallest chunk before its reduction,
-  so the flag is one reduction's output (BENCHMARKS.md says why).
+  Each entry's exponent bits are tested as an unsigned integer (all ones:
+  ``inf`` or NaN), so no compiler flag, fast-math included, can fold the
+  check away. Leaves of one size and dtype are combined by an elementwise
+  integer maximum, ``chunk`` at a time, before one reduction: each entry is
+  read once, and the number of kernels (and XLA's compile time) grows with
+  the number of groups, not of leaves. The other chunks' verdicts are
+  folded into the smallest chunk before its reduction, so the flag is one
+  reduction's output (BENCHMARKS.md says why, and what the check costs).
 
   Args:
     tree: a pytree, typically of gradients.
-    chunk: leaves added together before one reduction.
+    chunk: leaves combined before one reduction.
 
   Returns:
     A scalar boolean array.
@@ -143,28 +161,29 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
     >>> bool(ols.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
     False
   """
-  # Summed in their own dtype: a sum of zeros is exact in any precision, and
-  # no array-sized conversion is needed. Only the scalars are converted.
-  groups: dict[tuple[int, Any], list[jax.Array]] = {}
+  groups: dict[tuple[int, Any, int], list[jax.Array]] = {}
   for x in jax.tree.leaves(tree):
-    if is_float_array(x):
-      zero = _zero_if_finite(jnp.ravel(x))
-      groups.setdefault((zero.size, zero.dtype), []).append(zero)
-  sums = []
-  for zeros in groups.values():
-    for i in range(0, len(zeros), chunk):
-      total = zeros[i]
-      for z in zeros[i + 1 : i + chunk]:
-        total = total + z
-      sums.append(total)
-  nonempty = [s for s in sums if s.size]
-  if not nonempty:
+    if not is_float_array(x):
+      continue
+    x = jnp.ravel(x)
+    for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
+      bits, mask = _exponent_bits(part)
+      groups.setdefault((bits.size, bits.dtype, mask), []).append(bits)
+  chunks = []  # (the elementwise maximum of up to `chunk` leaves, all ones)
+  for (size, _, mask), leaves in groups.items():
+    for i in range(0, len(leaves) if size else 0, chunk):
+      acc = leaves[i]
+      for b in leaves[i + 1 : i + chunk]:
+        acc = jnp.maximum(acc, b)
+      chunks.append((acc, mask))
+  if not chunks:
     return jnp.array(True)
-  receiver = min(nonempty, key=lambda s: s.size)
-  others = [jnp.sum(s).astype(_F32) for s in nonempty if s is not receiver]
+  receiver, mask = min(chunks, key=lambda c: c[0].size)
+  others = [jnp.max(c) == m for c, m in chunks if c is not receiver]
   if others:
-    receiver = receiver + jnp.sum(jnp.stack(others)).astype(receiver.dtype)
-  return jnp.isfinite(jnp.sum(receiver))
+    bad = jnp.any(jnp.stack(others))
+    receiver = jnp.maximum(receiver, jnp.where(bad, mask, 0).astype(receiver.dtype))
+  return jnp.max(receiver) != mask
 
 
 def unscale(tree: Any, loss_scale: Any) -> Any:

@@ -102,6 +102,20 @@ def _compiled(tx, params, grads):
   return jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
 
 
+def _check_scratch(grads):
+  """Bytes the finite check writes: one leaf's bits per chunk of leaves.
+
+  XLA's CPU backend writes out the input of an integer reduction before it
+  reduces it, so the elementwise maximum of each chunk's exponent bits (the
+  size of one of its leaves) is written once and read once.
+  """
+  groups = {}
+  for g in jax.tree.leaves(grads):
+    groups.setdefault((g.size, g.dtype), []).append(g.nbytes)
+  chunk = _core.FINITE_CHECK_CHUNK
+  return sum(-(-len(n) // chunk) * n[0] for n in groups.values())
+
+
 def _bytes(compiled):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -117,10 +131,13 @@ def test_step_costs_one_extra_read_of_the_gradients():
   ours = _compiled(ols.dynamic_loss_scale(optax.adam(1e-3)), params, grads)
   grad_bytes = sum(g.nbytes for g in jax.tree.leaves(grads))
   extra = _bytes(ours) - _bytes(bare)
-  assert extra <= 1.05 * grad_bytes, (extra, grad_bytes)
+  scratch = _check_scratch(grads)
+  assert scratch <= grad_bytes / 16  # 16 leaves in one chunk
+  assert extra <= 1.05 * (grad_bytes + 2 * scratch), (extra, grad_bytes, scratch)
   # No temporary copy of the parameters or of Adam's moments.
   param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
-  assert ours.memory_analysis().temp_size_in_bytes < 0.01 * param_bytes
+  temp = ours.memory_analysis().temp_size_in_bytes
+  assert temp < scratch + 0.01 * param_bytes, (temp, scratch)
   hlo = ours.as_text()
   big_copies = re.findall(r"= f32\[65536\]\{0\} copy\(", hlo)
   assert not big_copies
@@ -144,7 +161,8 @@ def test_a_jitted_inner_update_keeps_the_saving(name, inner):
   grads = jax.tree.map(lambda p: p * 1e-3, params)
   ours = _compiled(ols.dynamic_loss_scale(inner()), params, grads)
   param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
-  assert ours.memory_analysis().temp_size_in_bytes < 0.01 * param_bytes, name
+  temp = ours.memory_analysis().temp_size_in_bytes
+  assert temp < _check_scratch(grads) + 0.01 * param_bytes, name
   # What the skip's fallback (a select after the update) costs on the same step.
   config = _config.dynamic_config()
   after = _transform.loss_scale_transformation(inner(), config, skip=_skip.select_after)
@@ -177,7 +195,8 @@ def test_static_extra_arguments_keep_the_saving():
   carry = (params, tx.init(params))
   compiled = jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
   param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
-  assert compiled.memory_analysis().temp_size_in_bytes < 0.01 * param_bytes
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  assert temp < _check_scratch(grads) + 0.01 * param_bytes
   # And it computes what the inner update computes.
   plain = _with_static_extra_arg()
   expected, _ = plain.update(grads, plain.init(params), params, fn=lambda x: 2 * x)
@@ -307,14 +326,19 @@ def test_finite_check_is_not_a_reduction_per_leaf():
   tree = [jnp.ones((n,)) for n in sizes]
   hlo = jax.jit(ols.all_finite).lower(tree).compile().as_text()
   entry = hlo[hlo.index("ENTRY") :]
-  # The entry computation's reduction kernels (XLA CPU names them after the
-  # reduce, or after the library it hands them to).
-  pattern = r"^\s*(?:ROOT )?%\S*(?:reduce|ynn)\S* ="
-  reductions = len(re.findall(pattern, entry, re.M))
-  # One per group of up to FINITE_CHECK_CHUNK leaves of one size: 7 + 2 + 1.
+  # The kernels that read the leaves: one per chunk of up to
+  # FINITE_CHECK_CHUNK leaves of one size (7 + 2 + 1), not one per leaf.
+  leaves = set(re.findall(r"^\s*(%\S+) = \S+ parameter\(", entry, re.M))
+  readers = [
+    line
+    for line in entry.splitlines()
+    if " fusion(" in line
+    and leaves & set(re.split(r"[(), ]+", line.split(" fusion(", 1)[1].split(")")[0]))
+  ]
   chunk = _core.FINITE_CHECK_CHUNK
   groups = -(-200 // chunk) + -(-40 // chunk) + 1
-  assert 1 <= reductions <= groups + 2, reductions
+  assert len(leaves) == len(sizes)
+  assert 1 <= len(readers) <= groups, len(readers)
   assert bool(ols.all_finite(tree))
   tree[123] = tree[123].at[5].set(jnp.inf)
   assert not bool(ols.all_finite(tree))

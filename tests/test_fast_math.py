@@ -1,0 +1,74 @@
+"""The finite check holds under every XLA CPU fast-math flag.
+
+Fast-math lets XLA assume no NaN or infinity exists: it folds ``x - x`` to 0
+(the formulation this check once used) and may fold ``isnan`` to false. The
+check tests exponent bits as integers instead; each flag set runs in a new
+process, since XLA reads its flags when it starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json
+import jax, jax.numpy as jnp, ml_dtypes, numpy as np, optax
+import optax_lossscale as ols
+
+out = {}
+x = jnp.array([8.0, jnp.nan, jnp.inf])
+# Control: the flag is in force when the old formulation is folded away.
+out["x - x folded"] = bool(jnp.isfinite(jnp.sum(jax.jit(lambda x: x - x)(x))))
+check = jax.jit(ols.all_finite)
+verdicts = []
+for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
+  info = jnp.finfo(dtype)
+  finite = [info.max, -info.max, info.tiny, info.smallest_subnormal, 0.0, -0.0]
+  verdicts.append(bool(check(jnp.array(finite, dtype))))
+  for bad in (jnp.nan, jnp.inf, -jnp.inf):
+    verdicts.append(not bool(check([jnp.ones(3, dtype), jnp.array([1, bad], dtype)])))
+verdicts.append(not bool(check(jnp.array([1 + 1j, complex(0, float("inf"))]))))
+e4m3 = jnp.asarray(np.array([448.0, -448.0], ml_dtypes.float8_e4m3fn))
+verdicts.append(bool(check(e4m3)))  # all-ones exponent, finite in this format
+verdicts.append(not bool(check(e4m3.at[0].set(jnp.nan))))
+out["all_finite right every time"] = verdicts
+tx = ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=8.0)
+state = tx.init({"w": jnp.ones(3)})
+updates, state = jax.jit(tx.update)({"w": x}, state, {"w": jnp.ones(3)})
+out["skipped"] = int(state.consecutive_skips)
+out["updates"] = [float(u) for u in updates["w"]]
+print(json.dumps(out))
+"""
+
+FLAGS = [
+  "--xla_cpu_enable_fast_math=true",
+  "--xla_cpu_fast_math_honor_nans=false",
+  "--xla_cpu_fast_math_honor_infs=false",
+  "--xla_cpu_fast_math_honor_division=false",
+  "--xla_cpu_fast_math_honor_functions=false",
+  "--xla_cpu_enable_fast_min_max=true",
+  "--xla_cpu_enable_fast_math=true --xla_cpu_fast_math_honor_nans=false "
+  "--xla_cpu_fast_math_honor_infs=false --xla_cpu_enable_fast_min_max=true",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", FLAGS)
+def test_nonfinite_gradients_are_caught_under_fast_math(flags):
+  env = {**os.environ, "XLA_FLAGS": flags}
+  proc = subprocess.run(
+    [sys.executable, "-c", SCRIPT],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=True,
+  )
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  if flags.startswith("--xla_cpu_enable_fast_math=true"):
+    assert out["x - x folded"]  # the flag is in force
+  assert all(out["all_finite right every time"]), out
+  assert out["skipped"] == 1 and out["updates"] == [0.0, 0.0, 0.0], out
