@@ -34,6 +34,7 @@ __all__ = [
   "LossScaleState",
   "adjust",
   "all_finite",
+  "array_leaves",
   "initial_state",
   "is_array",
   "is_float_array",
@@ -108,6 +109,28 @@ def is_float_array(x: Any) -> bool:
   return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
+  """The leaves of ``tree``, all of them arrays (``None`` is no leaf).
+
+  Raises:
+    ValueError: a leaf is not an array (a Python number, a string, ...),
+      naming its path: loss scaling cannot unscale or check it, and passing
+      it through would apply it unscaled.
+  """
+  leaves = jax.tree.leaves(tree)
+  if all(is_array(x) for x in leaves):
+    return leaves
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not is_array(x):
+      raise ValueError(
+        f"The {what} leaf at {jax.tree_util.keystr(path) or '<root>'} is a "
+        f"{type(x).__name__} ({x!r}), not an array: loss scaling can neither "
+        "unscale nor check it. Make it an array (jnp.asarray), or leave it out "
+        "of the tree (None)."
+      )
+  raise AssertionError("unreachable")
+
+
 #: Unsigned integer dtypes of the float widths whose bits are tested directly.
 _UINT = {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
@@ -134,9 +157,10 @@ def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
 def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
   """Whether every element of every floating leaf of ``tree`` is finite.
 
-  ``None``, integer, boolean, ``float0`` and non-array leaves (such as
-  ``optax.MaskedNode``) are ignored; an empty tree is finite. Complex leaves
-  are checked in both parts.
+  ``None``, ``optax.MaskedNode`` and integer, boolean and ``float0`` arrays
+  are ignored; an empty tree is finite. Complex leaves are checked in both
+  parts. A leaf that is not an array (a Python number) is a ``ValueError``
+  naming it.
 
   Each entry's exponent bits are tested as an unsigned integer (all ones:
   ``inf`` or NaN), so no compiler flag, fast-math included, can fold the
@@ -162,7 +186,7 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
     False
   """
   groups: dict[tuple[int, Any, int], list[jax.Array]] = {}
-  for x in jax.tree.leaves(tree):
+  for x in array_leaves(tree):
     if not is_float_array(x):
       continue
     x = jnp.ravel(x)
@@ -193,7 +217,8 @@ def unscale(tree: Any, loss_scale: Any) -> Any:
   float32 (what XLA makes of a division by a scalar anyway; written out, the
   result does not depend on the compiler). Half-precision leaves are
   multiplied in float32 and cast back, so the tree's dtypes never change;
-  other leaves pass through.
+  integer, boolean and ``float0`` arrays pass through. A leaf that is not an
+  array (a Python number) is a ``ValueError`` naming it.
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
@@ -201,6 +226,7 @@ def unscale(tree: Any, loss_scale: Any) -> Any:
     Array([1., 2.], dtype=float16)
   """
   inv_scale = 1.0 / jnp.asarray(loss_scale, _F32)
+  array_leaves(tree)
 
   def one(x):
     if not is_float_array(x):

@@ -45,7 +45,6 @@ def test_all_finite_ignores_non_float_leaves():
     "bool": jnp.array([True]),
     "float0": float0,
     "masked": optax.MaskedNode(),
-    "py": "not an array",
     "f": jnp.ones(2),
   }
   assert bool(ols.all_finite(tree))
@@ -395,3 +394,20 @@ def test_replace_takes_a_state_or_the_five_counters():
   assert ls.replace(other.counters).config == ls.config
   with pytest.raises(ValueError, match="5 counters"):
     ls.replace(tuple(jax.tree.leaves(other))[:4])
+
+
+@pytest.mark.parametrize(
+  "leaf", [float("nan"), 8.0, 3, True, 1j, "not an array", object()]
+)
+def test_leaves_that_are_not_arrays_are_refused_by_name(leaf):
+  """A Python float NaN was once neither checked nor unscaled, and applied."""
+  tree = {"w": jnp.ones(2), "b": leaf}
+  with pytest.raises(ValueError, match=r"leaf at \['b'\] is a .*not an array"):
+    ols.all_finite(tree)
+  with pytest.raises(ValueError, match=r"\['b'\]"):
+    ols.unscale(tree, 8.0)
+  tx = ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=8.0)
+  params = {"w": jnp.ones(2), "b": jnp.ones(())}
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"\['b'\]"):
+    tx.update(tree, state, params)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 import versions
+from xla_costs import check_scratch
 
 import optax_lossscale as ols
 from optax_lossscale import _config, _core, _skip, _transform
@@ -102,20 +103,6 @@ def _compiled(tx, params, grads):
   return jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
 
 
-def _check_scratch(grads):
-  """Bytes the finite check writes: one leaf's bits per chunk of leaves.
-
-  XLA's CPU backend writes out the input of an integer reduction before it
-  reduces it, so the elementwise maximum of each chunk's exponent bits (the
-  size of one of its leaves) is written once and read once.
-  """
-  groups = {}
-  for g in jax.tree.leaves(grads):
-    groups.setdefault((g.size, g.dtype), []).append(g.nbytes)
-  chunk = _core.FINITE_CHECK_CHUNK
-  return sum(-(-len(n) // chunk) * n[0] for n in groups.values())
-
-
 def _bytes(compiled):
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -131,7 +118,7 @@ def test_step_costs_one_extra_read_of_the_gradients():
   ours = _compiled(ols.dynamic_loss_scale(optax.adam(1e-3)), params, grads)
   grad_bytes = sum(g.nbytes for g in jax.tree.leaves(grads))
   extra = _bytes(ours) - _bytes(bare)
-  scratch = _check_scratch(grads)
+  scratch = check_scratch(grads)
   assert scratch <= grad_bytes / 16  # 16 leaves in one chunk
   assert extra <= 1.05 * (grad_bytes + 2 * scratch), (extra, grad_bytes, scratch)
   # No temporary copy of the parameters or of Adam's moments.
@@ -162,7 +149,7 @@ def test_a_jitted_inner_update_keeps_the_saving(name, inner):
   ours = _compiled(ols.dynamic_loss_scale(inner()), params, grads)
   param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
   temp = ours.memory_analysis().temp_size_in_bytes
-  assert temp < _check_scratch(grads) + 0.01 * param_bytes, name
+  assert temp < check_scratch(grads) + 0.01 * param_bytes, name
   # What the skip's fallback (a select after the update) costs on the same step.
   config = _config.dynamic_config()
   after = _transform.loss_scale_transformation(inner(), config, skip=_skip.select_after)
@@ -196,7 +183,7 @@ def test_static_extra_arguments_keep_the_saving():
   compiled = jax.jit(step, donate_argnums=0).lower(carry, grads).compile()
   param_bytes = sum(p.nbytes for p in jax.tree.leaves(params))
   temp = compiled.memory_analysis().temp_size_in_bytes
-  assert temp < _check_scratch(grads) + 0.01 * param_bytes
+  assert temp < check_scratch(grads) + 0.01 * param_bytes
   # And it computes what the inner update computes.
   plain = _with_static_extra_arg()
   expected, _ = plain.update(grads, plain.init(params), params, fn=lambda x: 2 * x)
