@@ -84,6 +84,9 @@ def dynamic_config(
 ) -> LossScaleConfig:
   """A validated dynamic configuration; every error names the argument.
 
+  Every float is validated and stored as the float32 number the computation
+  uses.
+
   Raises:
     ValueError: a scale outside ``[2**-126, 2**126]``, ``growth_interval`` or
       ``hysteresis`` below 1, ``growth_factor <= 1``, ``backoff_factor``
@@ -94,13 +97,21 @@ def dynamic_config(
   min_scale = _validate.check_scale("min_scale", min_scale)
   max_scale = _validate.check_scale("max_scale", max_scale)
   growth_interval = _validate.int_in("growth_interval", growth_interval, 1)
-  growth_factor = _validate.as_float("growth_factor", growth_factor)
+  # Validated as the float32 numbers that multiply the scale: 1 + 1e-9 is
+  # 1.0 there, and the scale would never grow (or back off).
+  given = growth_factor
+  growth_factor = _validate.as_f32("growth_factor", growth_factor)
   if growth_factor <= 1.0:
-    raise ValueError(f"`growth_factor` must be > 1, got {growth_factor}.")
-  backoff_factor = _validate.as_float("backoff_factor", backoff_factor)
+    raise ValueError(
+      f"`growth_factor` must be > 1 in float32, got {given!r} (float32: "
+      f"{growth_factor!r})."
+    )
+  given = backoff_factor
+  backoff_factor = _validate.as_f32("backoff_factor", backoff_factor)
   if not 0.0 < backoff_factor < 1.0:
     raise ValueError(
-      f"`backoff_factor` must be in the open interval (0, 1), got {backoff_factor}."
+      "`backoff_factor` must be in the open interval (0, 1) in float32, got "
+      f"{given!r} (float32: {backoff_factor!r})."
     )
   if min_scale > max_scale:
     raise ValueError(

@@ -288,14 +288,24 @@ def reduce_flag(flag: jax.Array, axis_name: Any) -> jax.Array:
 
 
 def unscale_and_check(
-  scaled_grads: Any, loss_scale: Any, config: LossScaleConfig, axis_name: Any = None
+  scaled_grads: Any,
+  loss_scale: Any,
+  config: LossScaleConfig,
+  axis_name: Any = None,
+  *,
+  factor: float | None = None,
 ) -> tuple[Any, jax.Array]:
   """Unscales gradients of the scaled loss and says whether they are finite.
 
-  When the scale cannot go below 1 (``config.min_scale >= 1``) unscaling
-  only divides and cannot turn a finite entry into ``inf``, so the *scaled*
+  With ``factor`` (the Keras facade's ``loss_scale_factor``, a fixed extra
+  factor on the loss) the gradients are divided by it too, after the loss
+  scale, and the check sees what is divided out. When neither division can
+  make an entry larger (``config.min_scale >= 1`` and ``factor >= 1``),
+  unscaling cannot turn a finite entry into ``inf``, so the *scaled*
   gradients are checked: the same answer, read as they lie in memory
-  instead of from an unscaled copy. Below 1 the unscaled ones are checked.
+  instead of from an unscaled copy. Otherwise the unscaled ones are checked,
+  which also catches an overflow caused by unscaling (a float16 gradient
+  divided by a factor below 1).
 
   Returns:
     ``(unscaled grads, finite)``, the flag ANDed over ``axis_name``. A
@@ -304,7 +314,10 @@ def unscale_and_check(
   if config.noop:
     return scaled_grads, jnp.array(True)
   grads = unscale(scaled_grads, loss_scale)
-  checked = scaled_grads if config.min_scale >= 1.0 else grads
+  if factor is not None:
+    grads = unscale(grads, factor)
+  shrinks = config.min_scale >= 1.0 and (factor is None or factor >= 1.0)
+  checked = scaled_grads if shrinks else grads
   return grads, reduce_flag(all_finite(checked), axis_name)
 
 

@@ -8,6 +8,7 @@ For people porting TensorFlow or Keras code: every knob of
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -27,6 +28,9 @@ from optax_lossscale import (
   _validate,
 )
 
+#: Keras' default ``dynamic_growth_steps``.
+DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
+
 
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   """Keras' ``LossScaleOptimizer``, as an optax transformation.
@@ -34,8 +38,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   It *is* an ``optax.GradientTransformationExtraArgs`` (``init``/``update``),
   so it drops into any optax, Flax or Orbax code. Its ``update`` takes the
   gradients of the *scaled* loss (:meth:`scale_loss`) and, in this order:
-  unscales them by the loss scale; checks them; divides them by
-  ``loss_scale_factor``; accumulates them (``gradient_accumulation_steps``);
+  unscales them by the loss scale and by ``loss_scale_factor``; checks them;
+  accumulates them (``gradient_accumulation_steps``);
   clips them (``clipnorm``/``clipvalue``/``global_clipnorm``); runs the inner
   optimizer, plus Keras' decoupled ``weight_decay``; updates the average of
   the weights (``use_ema``); adjusts the scale. Clipping, decay and
@@ -101,7 +105,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     cls,
     inner_optimizer: Any,
     initial_scale: float = _config.DEFAULT_INITIAL_SCALE,
-    dynamic_growth_steps: int | None = _config.DEFAULT_GROWTH_INTERVAL,
+    dynamic_growth_steps: int | None = DEFAULT_GROWTH_STEPS,
     *,
     dynamic: bool = True,
     weight_decay: float | None = None,
@@ -133,6 +137,25 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       )
       dynamic_growth_steps = scale.config.growth_interval
     else:
+      # Arguments that only a dynamic scale uses must not be silently dropped
+      # (TensorFlow raises for dynamic_growth_steps). Their defaults, which
+      # get_config reports, are accepted.
+      dynamic_only = {
+        "dynamic_growth_steps": (dynamic_growth_steps, (None, DEFAULT_GROWTH_STEPS)),
+        "min_scale": (min_scale, (_config.DEFAULT_MIN_SCALE,)),
+        "max_scale": (max_scale, (_config.DEFAULT_MAX_SCALE,)),
+        "hysteresis": (hysteresis, (1,)),
+      }
+      given = [
+        f"{k}={v!r}"
+        for k, (v, defaults) in dynamic_only.items()
+        if not any(v is d or (not isinstance(v, bool) and v == d) for d in defaults)
+      ]
+      if given:
+        raise ValueError(
+          f"{', '.join(given)} given with dynamic=False: only a dynamic loss "
+          "scale uses them. Drop them, or pass dynamic=True."
+        )
       # TensorFlow's fixed loss scale applies every step.
       scale = _loss_scale.StaticLossScale(initial_scale, skip_nonfinite=False)
       dynamic_growth_steps = None
@@ -155,9 +178,10 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     ema_overwrite_frequency = _validate.optional_int_at_least(
       "ema_overwrite_frequency", ema_overwrite_frequency, 1
     )
-    loss_scale_factor = _validate.optional_positive(
-      "loss_scale_factor", loss_scale_factor
-    )
+    if loss_scale_factor is not None:
+      # Divided out of the gradients: it and its reciprocal must be normal
+      # float32 numbers, as a loss scale.
+      loss_scale_factor = _validate.check_scale("loss_scale_factor", loss_scale_factor)
     gradient_accumulation_steps = _validate.optional_int_at_least(
       "gradient_accumulation_steps", gradient_accumulation_steps, 2
     )
@@ -181,9 +205,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       body = optax.MultiSteps(
         body, gradient_accumulation_steps
       ).gradient_transformation()
-    if loss_scale_factor is not None:
-      body = optax.chain(_optimizers.unscale_by(loss_scale_factor), body)
-    tx = _transform.with_loss_scale(body, scale, axis_name=axis_name)
+    # The factor is divided out with the loss scale, before the finite check,
+    # so the check sees what is applied.
+    check = functools.partial(_core.unscale_and_check, factor=loss_scale_factor)
+    tx = _transform.loss_scale_transformation(
+      body, scale.config, axis_name=axis_name, check=check
+    )
 
     self = super().__new__(cls, tx.init, tx.update)
     self._inner = inner

@@ -3,12 +3,12 @@
 What the Keras-style ``LossScaleOptimizer`` builds its chain from: an optax
 optimizer from a Keras name or config, the learning rate of the one
 ``optax.inject_hyperparams`` in a state (read and replaced), Keras'
-decoupled weight decay, its per-leaf ``clipnorm`` and a fixed gradient
-factor.
+decoupled weight decay and its per-leaf ``clipnorm``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _core, _state
+from optax_lossscale import _core, _state, _validate
 
 __all__ = [
   "clip_each_by_norm",
@@ -24,7 +24,6 @@ __all__ = [
   "get_learning_rate",
   "inner_spec",
   "set_learning_rate",
-  "unscale_by",
 ]
 
 # optax aliases that a Keras optimizer name maps to, and Keras' default
@@ -72,6 +71,9 @@ def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
     "learning_rate": _DEFAULT_LEARNING_RATE.get(name, 0.001),
     **inner.get("config", {}),
   }
+  if not callable(config["learning_rate"]):  # a number, or a schedule
+    # None made optax step *up* the gradient; a string failed much later.
+    _validate.float_in("learning_rate", config["learning_rate"], 0.0, math.inf)
   try:
     tx = optax.inject_hyperparams(_OPTIMIZERS[name])(**config)
   except TypeError as e:
@@ -160,11 +162,6 @@ def decoupled_weight_decay(
     return jax.tree.map(decay, updates, params), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def unscale_by(factor: float) -> optax.GradientTransformation:
-  """Divides the gradients by a fixed ``factor`` (Keras' ``loss_scale_factor``)."""
-  return optax.stateless(lambda updates, params=None: _core.unscale(updates, factor))
 
 
 def clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:

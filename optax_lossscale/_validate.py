@@ -18,6 +18,7 @@ import numpy as np
 __all__ = [
   "INT32_MAX",
   "SCALE_RANGE",
+  "as_f32",
   "as_float",
   "as_int",
   "check_scale",
@@ -50,6 +51,23 @@ def as_float(name: str, value: Any) -> float:
     ) from e
   if not math.isfinite(out):
     raise ValueError(f"`{name}` must be finite, got {value!r}.")
+  return out
+
+
+def _f32(value: float) -> float:
+  with np.errstate(over="ignore"):  # 1e39 becomes inf, which callers refuse
+    return float(np.float32(value))
+
+
+def as_f32(name: str, value: Any) -> float:
+  """``value`` as the float32 number the computation will use (finite).
+
+  A hyper-parameter multiplies float32 state, so what counts is its float32
+  rounding: ``1 - 1e-9`` is 1.0 there, ``1e39`` is ``inf``.
+  """
+  out = _f32(as_float(name, value))
+  if not math.isfinite(out):
+    raise ValueError(f"`{name}` is {value!r}, which is not finite in float32.")
   return out
 
 
@@ -99,8 +117,8 @@ def optional_int_at_least(name: str, value: Any, minimum: int) -> int | None:
 
 
 def check_scale(name: str, value: Any) -> float:
-  """``value`` as a float in :data:`SCALE_RANGE`."""
-  out = as_float(name, value)
+  """``value``, rounded to float32, in :data:`SCALE_RANGE`."""
+  out = _f32(as_float(name, value))
   lo, hi = SCALE_RANGE
   if not lo <= out <= hi:
     raise ValueError(

@@ -411,3 +411,27 @@ def test_leaves_that_are_not_arrays_are_refused_by_name(leaf):
   state = tx.init(params)
   with pytest.raises(ValueError, match=r"\['b'\]"):
     tx.update(tree, state, params)
+
+
+@pytest.mark.parametrize(
+  "kwargs, name",
+  [
+    ({"growth_factor": 1 + 1e-9}, "growth_factor"),  # 1.0 in float32
+    ({"growth_factor": 1e39}, "growth_factor"),  # inf in float32
+    ({"backoff_factor": 1 - 1e-9}, "backoff_factor"),  # 1.0 in float32
+    ({"backoff_factor": 1e-46}, "backoff_factor"),  # 0.0 in float32
+    ({"initial_scale": 2.0**126 * (1 + 2.0**-22)}, "initial_scale"),
+    ({"max_scale": 2.0**-127}, "max_scale"),
+  ],
+)
+def test_factors_and_scales_are_validated_as_float32(kwargs, name):
+  with pytest.raises(ValueError, match=name):
+    ols.DynamicLossScale(**kwargs)
+  with pytest.raises(ValueError, match=name):
+    ols.dynamic_loss_scale(optax.sgd(1.0), **kwargs)
+
+
+def test_the_config_holds_the_float32_numbers_it_computes_with():
+  c = ols.DynamicLossScale(growth_factor=1 + 2.0**-20, backoff_factor=0.1).config
+  assert c.growth_factor == float(np.float32(1 + 2.0**-20)) > 1
+  assert c.backoff_factor == float(np.float32(0.1))

@@ -451,3 +451,54 @@ def test_copy_and_pickle_rebuild_from_the_config():
     assert type(again) is ols.ExperimentalLossScaleOptimizer
     assert again.get_config() == opt.get_config()
     assert float(again.loss_scale(again.init(_params()))) == 64.0
+
+
+@pytest.mark.parametrize(
+  "factor", [1e-40, 0.0, -1.0, float("inf"), float("nan"), 2.0**127]
+)
+def test_loss_scale_factor_must_be_a_usable_scale(factor):
+  with pytest.raises(ValueError, match="loss_scale_factor"):
+    ols.LossScaleOptimizer("sgd", loss_scale_factor=factor)
+
+
+def test_the_check_sees_the_gradients_divided_by_loss_scale_factor():
+  """float16 40000 / 0.5 is inf in float16: skipped, never applied."""
+  opt = ols.LossScaleOptimizer("sgd", initial_scale=1.0, loss_scale_factor=0.5)
+  params = {"w": jnp.ones(2, jnp.float16)}
+  state = opt.init(params)
+  grads = {"w": jnp.full(2, 40000.0, jnp.float16)}
+  updates, state = jax.jit(opt.update)(grads, state, params)
+  chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2, jnp.float16)})
+  assert int(state.skipped_steps) == 1
+  # And a factor that divides out to finite values is applied exactly.
+  grads = {"w": jnp.full(2, 4.0, jnp.float16)}
+  updates, state = jax.jit(opt.update)(grads, state, params)
+  chex.assert_trees_all_close(updates["w"], jnp.full(2, -0.08, jnp.float16))
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    {"dynamic_growth_steps": 10},
+    {"hysteresis": 2},
+    {"hysteresis": 0},  # invalid, and silently ignored before
+    {"min_scale": 2.0},
+    {"max_scale": 2.0**20},
+  ],
+)
+def test_dynamic_only_arguments_with_a_fixed_scale_are_refused(kwargs):
+  (name,) = kwargs
+  with pytest.raises(ValueError, match=f"{name}=.*dynamic=False"):
+    ols.LossScaleOptimizer("sgd", dynamic=False, **kwargs)
+
+
+def test_a_fixed_scale_accepts_the_defaults_it_reports():
+  opt = ols.LossScaleOptimizer("sgd", dynamic=False, dynamic_growth_steps=None)
+  again = ols.LossScaleOptimizer.from_config(opt.get_config())
+  assert again.get_config() == opt.get_config()
+
+
+@pytest.mark.parametrize("lr", [None, "0.1", -0.1, float("nan"), float("inf")])
+def test_a_learning_rate_that_is_not_a_number_is_refused(lr):
+  with pytest.raises(ValueError, match="learning_rate"):
+    ols.LossScaleOptimizer({"class_name": "sgd", "config": {"learning_rate": lr}})
