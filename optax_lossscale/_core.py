@@ -334,6 +334,10 @@ def adjust(
   ``finite`` says whether the gradients that ``state.loss_scale`` produced
   were all finite. Only the counter fields change (``inner_state`` is left
   as it is); everything is ``jnp.where``, with no branch and no host sync.
+  The new scale always lies in ``[min_scale, max_scale]``, and a fixed scale
+  is the configuration's: a state restored from another configuration
+  comes into line at its first update (which still unscales with the
+  state's scale, the one its gradients were computed with).
 
   Returns:
     ``(new state, should_apply)``: whether this step's update is applied.
@@ -352,19 +356,20 @@ def adjust(
     back_off = jnp.logical_and(jnp.logical_not(finite), hyst_after_bad <= 0)
     scale = jnp.where(
       grow,
-      jnp.minimum(s.loss_scale * config.growth_factor, config.max_scale),
-      jnp.where(
-        back_off,
-        jnp.maximum(s.loss_scale * config.backoff_factor, config.min_scale),
-        s.loss_scale,
-      ),
-    ).astype(_F32)
+      s.loss_scale * config.growth_factor,
+      jnp.where(back_off, s.loss_scale * config.backoff_factor, s.loss_scale),
+    )
+    # Clamped every step, so that a state restored under other bounds comes
+    # into them at its first update.
+    scale = jnp.clip(scale, config.min_scale, config.max_scale).astype(_F32)
     good_steps = jnp.where(finite & ~grow, good, 0).astype(_I32)
     hysteresis_left = jnp.where(
       grow, config.hysteresis, jnp.where(finite, s.hysteresis_left, hyst_after_bad)
     ).astype(_I32)
   else:
-    scale = s.loss_scale
+    # A fixed scale is the configuration's, whatever the state held (one
+    # restored from a run with another scale): from this update on.
+    scale = jnp.full_like(s.loss_scale, config.initial_scale, _F32)
     good_steps = jnp.where(finite, optax.safe_increment(s.good_steps), 0)
     hysteresis_left = s.hysteresis_left
   skipped = jnp.logical_not(should_apply)

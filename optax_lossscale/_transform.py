@@ -41,6 +41,12 @@ def _check_grads_match(grads: Any, params: Any) -> None:
     ) from None
 
   def check(path, g, p):
+    if _core.is_array(g) and not _core.is_array(p):
+      raise ValueError(
+        f"Gradient at {jax.tree_util.keystr(path)} is one array where the "
+        f"parameters have a subtree ({jax.tree.structure(p)}): the gradient "
+        "tree must have the parameters' structure."
+      )
     if _core.is_array(g) and _core.is_array(p) and g.shape != p.shape:
       raise ValueError(
         f"Gradient at {jax.tree_util.keystr(path)} has shape {g.shape} but "
@@ -48,6 +54,28 @@ def _check_grads_match(grads: Any, params: Any) -> None:
       )
 
   jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
+
+
+def _check_inner_state(inner: Any, inner_state: Any, grads: Any, params: Any) -> None:
+  """A readable error, at trace time, for a state made by another optimizer."""
+  like = params if params is not None else grads
+  try:
+    expected = jax.tree.structure(jax.eval_shape(inner.init, like))
+  except Exception:  # noqa: BLE001 - init needs what we cannot give: no check
+    return
+  got = jax.tree.structure(inner_state)
+  if got != expected:
+    raise ValueError(
+      "The state's inner_state was not made by this loss scale's inner "
+      "optimizer (a state saved with another optimizer?).\n"
+      f"  state holds:    {_short(got)}\n"
+      f"  inner.init has: {_short(expected)}"
+    )
+
+
+def _short(treedef: Any, limit: int = 300) -> str:
+  text = str(treedef)
+  return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def loss_scale_transformation(
@@ -96,6 +124,7 @@ def loss_scale_transformation(
         "state produced by another optimizer?"
       )
     _check_grads_match(updates, params)
+    _check_inner_state(inner, state.inner_state, updates, params)
     grads, finite = check(updates, state.loss_scale, config, axis_name)
     new_state, should_apply = _core.adjust(state, finite, config)
     if config.skip_nonfinite:

@@ -200,3 +200,34 @@ def test_nnx_with_the_keras_facade_and_its_ema():
   chex.assert_trees_all_close(
     nnx.as_pure(nnx.state(model, nnx.Param)), expected, rtol=1e-6
   )
+
+
+def test_orbax_restore_under_another_configuration(tmp_path):
+  """A fixed scale is the configuration's, a dynamic one clamped into it."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  params = {"w": jnp.ones(2)}
+  grads = {"w": jnp.full(2, 1024.0)}
+  cases = [
+    (
+      ols.static_loss_scale(optax.sgd(1.0), 1024.0),
+      ols.static_loss_scale(optax.sgd(1.0), 128.0),
+      128.0,
+    ),
+    (
+      ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=1024.0),
+      ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=16.0, max_scale=64.0),
+      64.0,
+    ),
+  ]
+  checkpointer = ocp.StandardCheckpointer()
+  for i, (before, after, expected) in enumerate(cases):
+    path = tmp_path / str(i)
+    checkpointer.save(path, before.init(params))
+    checkpointer.wait_until_finished()
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, after.init(params))
+    state = checkpointer.restore(path, target)
+    assert float(ols.get_scale(state)) == 1024.0  # as saved
+    updates, state = jax.jit(after.update)(grads, state, params)
+    chex.assert_trees_all_equal(updates, {"w": jnp.full(2, -1.0)})
+    assert float(ols.get_scale(state)) == expected
+  checkpointer.close()

@@ -461,3 +461,41 @@ def test_overflow_caused_by_unscaling_below_one_is_caught():
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert int(state.skipped_steps) == 0
   chex.assert_trees_all_equal(updates, {"w": -grads["w"]})
+
+
+def test_a_state_of_another_inner_optimizer_is_a_clear_error():
+  params = _params()
+  state = ols.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3))
+  with pytest.raises(
+    ValueError, match=r"(?s)not made by.*EmptyState.*ScaleByAdamState"
+  ):
+    tx.update(_scaled_grads(params, 1.0), state, params)
+  with pytest.raises(ValueError, match="not made by"):
+    jax.jit(tx.update)(_scaled_grads(params, 1.0), state, params)
+
+
+def test_a_gradient_tree_that_is_a_prefix_of_the_parameters_is_refused():
+  params = {"a": {"w": jnp.ones(2), "b": jnp.ones(2)}, "c": jnp.ones(1)}
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(params)
+  with pytest.raises(ValueError, match=r"\['a'\] is one array where the parameters"):
+    tx.update({"a": jnp.ones(2), "c": jnp.ones(1)}, state, params)
+
+
+def test_a_restored_scale_comes_into_the_configuration_at_its_first_update():
+  params = {"w": jnp.ones(2)}
+  grads = {"w": jnp.full(2, 1024.0)}  # gradients of the loss times 1024
+  saved = ols.static_loss_scale(optax.sgd(1.0), 1024.0).init(params)
+  tx = ols.static_loss_scale(optax.sgd(1.0), 128.0)
+  updates, state = jax.jit(tx.update)(grads, saved, params)
+  # This step's gradients came from the state's scale: unscaled by it.
+  chex.assert_trees_all_equal(updates, {"w": jnp.full(2, -1.0)})
+  assert float(ols.get_scale(state)) == 128.0  # the configuration's from now on
+  saved = ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**20).init(params)
+  tx = ols.dynamic_loss_scale(optax.sgd(1.0), max_scale=2.0**16, min_scale=2.0)
+  _, state = jax.jit(tx.update)(grads, saved, params)
+  assert float(ols.get_scale(state)) == 2.0**16
+  low = saved._replace(loss_scale=jnp.asarray(0.5, jnp.float32))
+  _, state = jax.jit(tx.update)(grads, low, params)
+  assert float(ols.get_scale(state)) == 2.0
