@@ -80,8 +80,13 @@ def ema_params(
   )
 
   def init_fn(params):
+    # A copy, never the parameters' own buffer: a donated step would donate
+    # it twice.
     ema = jax.tree.map(
-      lambda p: p.astype(_ema_dtype(p)) if _core.is_float_array(p) else p, params
+      lambda p: (
+        jnp.array(p, _ema_dtype(p), copy=True) if _core.is_float_array(p) else p
+      ),
+      params,
     )
     return EmaParamsState(count=jnp.zeros([], jnp.int32), ema=ema)
 

@@ -75,7 +75,10 @@ def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
     # None made optax step *up* the gradient; a string failed much later.
     _validate.float_in("learning_rate", config["learning_rate"], 0.0, math.inf)
   try:
-    tx = optax.inject_hyperparams(_OPTIMIZERS[name])(**config)
+    # float32 hyper-parameters whatever the parameters' dtype: in bfloat16,
+    # Adam's b2 = 0.999 is 1.0 and its bias correction divides by zero.
+    inject = optax.inject_hyperparams(_OPTIMIZERS[name], hyperparam_dtype=jnp.float32)
+    tx = inject(**config)
   except TypeError as e:
     raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
   return tx, {"class_name": name, "config": config}

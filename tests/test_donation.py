@@ -1,0 +1,67 @@
+"""Every public optimizer and wrapper survives the standard donated step.
+
+``jax.jit(step, donate_argnums=(0, 1))`` fails on its first call when a
+state leaf is the very buffer of a parameter ("Attempt to donate the same
+buffer twice"): nothing that ``init`` returns may alias its input.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam
+
+OPTIMIZERS = {
+  "dynamic_loss_scale": lambda: ols.dynamic_loss_scale(optax.adam(1e-3)),
+  "static_loss_scale": lambda: ols.static_loss_scale(optax.adam(1e-3), 8.0),
+  "with_loss_scale(NoOp)": lambda: ols.with_loss_scale(
+    optax.adam(1e-3), ols.NoOpLossScale()
+  ),
+  "enable_mixed_precision float16": lambda: ols.enable_mixed_precision(
+    jnp.sum, optax.adam(1e-3), compute_dtype=jnp.float16
+  )[1],
+  "enable_mixed_precision bfloat16": lambda: ols.enable_mixed_precision(
+    jnp.sum, optax.adam(1e-3), compute_dtype=jnp.bfloat16
+  )[1],
+  "ema_params in a chain": lambda: ols.dynamic_loss_scale(
+    optax.chain(optax.sgd(0.1), ols.ema_params(0.9))
+  ),
+  "LossScaleOptimizer": lambda: ols.LossScaleOptimizer("adam"),
+  "LossScaleOptimizer use_ema": lambda: ols.LossScaleOptimizer("adam", use_ema=True),
+  "LossScaleOptimizer use_ema overwrite": lambda: ols.LossScaleOptimizer(
+    "sgd", use_ema=True, ema_overwrite_frequency=2
+  ),
+  "LossScaleOptimizer accumulation, decay, clip": lambda: ols.LossScaleOptimizer(
+    "adamw", gradient_accumulation_steps=2, weight_decay=0.01, clipnorm=1.0
+  ),
+  "LossScaleOptimizer fixed, factor": lambda: ols.LossScaleOptimizer(
+    "sgd", dynamic=False, initial_scale=4.0, loss_scale_factor=2.0
+  ),
+  "ExperimentalLossScaleOptimizer": lambda: ols.ExperimentalLossScaleOptimizer(
+    "sgd", "dynamic"
+  ),
+}
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_donated_step_runs(name, dtype):
+  tx = OPTIMIZERS[name]()
+  params = {"w": jnp.ones((4, 3), dtype), "b": jnp.zeros((3,), dtype)}
+  state = tx.init(params)  # eagerly, as training code does
+  init_buffers = {id(x) for x in jax.tree.leaves(params)}
+  aliased = [x for x in jax.tree.leaves(state) if id(x) in init_buffers]
+  assert not aliased, name
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1))
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 2.0), params)
+  for _ in range(3):
+    params, state = step(params, state, grads)
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
