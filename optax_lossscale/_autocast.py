@@ -17,12 +17,14 @@ A primitive in no list runs in float32 (TF treats unlisted ops the same way).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optax_lossscale import _config, _jaxpr, _policy, _transform
@@ -49,6 +51,7 @@ DENY_LIST = frozenset(
     "igamma",
     "pow",
     "integer_pow",
+    "square",
     "sqrt",
     "rsqrt",
     "cbrt",
@@ -85,7 +88,6 @@ INFER_LIST = frozenset(
     "min",
     "abs",
     "sign",
-    "square",
     "tanh",
     "floor",
     "ceil",
@@ -177,6 +179,26 @@ class _Rules:
     return "deny"
 
 
+def _is_static(x: Any) -> bool:
+  """A leaf passed as it is, not traced: a bool, a string, any non-number.
+
+  ``jax.jit`` would need ``static_argnums`` for these (a Flax
+  ``apply(..., train=True)``); Python ints, floats and complex numbers are
+  traced, weakly typed, as ``jax.jit`` traces them.
+  """
+  if isinstance(x, bool):
+    return True
+  return not isinstance(x, (int, float, complex, jax.Array, np.ndarray, np.generic))
+
+
+def _merge(static: tuple, arrays: Any) -> list:
+  """The flat leaves: ``static`` ``(index, value)`` pairs placed among ``arrays``."""
+  out = list(arrays)
+  for i, x in static:
+    out.insert(i, x)
+  return out
+
+
 def _follower(var, val) -> bool:
   """A literal, a weakly-typed value or a 0-d scalar: it follows the others."""
   if isinstance(var, Literal):
@@ -203,8 +225,7 @@ def _eval_eqn(eqn, invals, rules: _Rules):
   if body is not None:
     return _eval(*body, invals, rules)
   if name in _CUSTOM_CALLS:
-    key = next(k for k in ("jaxpr", "call_jaxpr", "fun_jaxpr") if k in params)
-    return _eval(*_jaxpr.closed(params[key]), invals, rules)
+    return _custom_call(eqn, invals, rules)
   if name in ("remat", "remat2", "checkpoint"):
     sub, consts = _jaxpr.closed(params["jaxpr"])
     body = jax.checkpoint(
@@ -227,9 +248,32 @@ def _eval_eqn(eqn, invals, rules: _Rules):
   return _first_order(eqn, invals, rules)
 
 
+def _custom_call(eqn, invals, rules: _Rules):
+  """A ``custom_jvp``/``custom_vjp`` call: its primal rewritten, its rule kept.
+
+  The call runs with its inputs in the dtypes the function gave them and
+  its body replaced by the rewritten body (cast back to the original output
+  dtypes at its end), so differentiation still goes through the user's own
+  rule, in the dtypes it was written for.
+  """
+  key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
+  sub, consts = _jaxpr.closed(eqn.params[key])
+
+  def body(*args):
+    outs = _eval(sub, consts, args, rules)
+    return _match(outs, [v.aval.dtype for v in sub.outvars])
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in sub.invars]
+  rewritten = jax.make_jaxpr(body)(*avals)
+  invals = _match(invals, [v.aval.dtype for v in eqn.invars])
+  return _jaxpr.bind(eqn, invals, {key: rewritten})
+
+
 def _first_order(eqn, invals, rules: _Rules):
   name = eqn.primitive.name
   kind = rules.kind(name)
+  if name == "mul" and eqn.invars[0] is eqn.invars[1]:
+    kind = rules.kind("square")  # x * x is square(x), and x ** 2: one rule
   half = rules.half
   original = [v.aval.dtype for v in eqn.invars]
   floating = [i for i, x in enumerate(invals) if _is_float(x.dtype)]
@@ -241,7 +285,11 @@ def _first_order(eqn, invals, rules: _Rules):
   elif kind == "allow":
     targets = {i: half for i in floating}
     pet = eqn.params.get("preferred_element_type")
-    if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize >= 4:
+    widest = max((jnp.dtype(original[i]).itemsize for i in floating), default=0)
+    # A result type wider than every input is the user's own choice (a float32
+    # accumulation of half inputs, as jax.nn.dot_product_attention's logits):
+    # kept. Otherwise it is the default, and the result is half too.
+    if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize <= widest:
       params["preferred_element_type"] = half
   elif kind == "deny":
     targets = {i: original[i] for i in floating if _is_float(original[i])}
@@ -256,7 +304,16 @@ def _first_order(eqn, invals, rules: _Rules):
         for i in floating
         if _is_float(original[i])
       }
-  invals = [_cast(x, targets[i]) if i in targets else x for i, x in enumerate(invals)]
+  cast: dict[tuple[int, Any], Any] = {}  # one conversion per value and dtype
+
+  def cast_once(x, dtype):
+    if (id(x), dtype) not in cast:
+      cast[id(x), dtype] = _cast(x, dtype)
+    return cast[id(x), dtype]
+
+  invals = [
+    cast_once(x, targets[i]) if i in targets else x for i, x in enumerate(invals)
+  ]
   return _jaxpr.bind(eqn, invals, params)
 
 
@@ -337,13 +394,17 @@ def autocast(
   Returns a function with ``fun``'s signature whose floating outputs have the
   dtypes ``fun`` returns; integer and boolean values are never cast; its
   ``compute_dtype`` attribute is the half dtype it computes in. It
-  rewrites ``fun``'s jaxpr, recursing into ``jit``, ``custom_jvp``/
-  ``custom_vjp`` (their bodies are inlined: autodiff then differentiates the
-  rewritten primal), ``checkpoint``, ``scan``, ``while_loop`` and ``cond``,
-  and works under ``jax.jit``, ``jax.grad`` (float32 inputs get float32
-  gradients) and ``jax.vmap``. A conversion ``fun`` writes itself keeps its
-  target dtype; literals, weakly-typed values and 0-d scalars follow the
-  other inputs.
+  rewrites ``fun``'s jaxpr, recursing into ``jit``, ``checkpoint``,
+  ``scan``, ``while_loop`` and ``cond``; a ``custom_jvp``/``custom_vjp``
+  function keeps its rule (its body is rewritten, its boundary keeps its
+  dtypes). It works under ``jax.jit``, ``jax.grad`` (float32 inputs get
+  float32 gradients) and ``jax.vmap``. The user's own numerics are kept: a
+  conversion ``fun`` writes keeps its target dtype, and a matmul result type
+  wider than its inputs stays. Every spelling of a square runs by the rule
+  of ``square``. Literals, weakly-typed values and 0-d scalars follow the
+  other inputs. Arguments that are not numbers or arrays (bools, strings)
+  are static; like ``jax.jit``, the result is traced and compiled once per
+  input signature.
 
   Args:
     fun: the function, written for float32.
@@ -362,27 +423,44 @@ def autocast(
     >>> f = lambda w, x: jnp.sum(jnp.exp(x @ w))
     >>> g = ols.autocast(f, compute_dtype=jnp.float16)
     >>> jaxpr = jax.make_jaxpr(g)(jnp.ones((3, 2)), jnp.ones((4, 3)))
-    >>> [(e.primitive.name, e.outvars[0].aval.dtype.name) for e in jaxpr.eqns
+    >>> body = jaxpr.eqns[0].params["jaxpr"]  # the rewritten function, jitted
+    >>> [(e.primitive.name, e.outvars[0].aval.dtype.name) for e in body.eqns
     ...  if e.primitive.name in ("dot_general", "exp")]
     [('dot_general', 'float16'), ('exp', 'float32')]
   """
   half = _policy.default_half_dtype() if compute_dtype is None else compute_dtype
   rules = _Rules(half, allow, deny, infer, clear)
 
-  def wrapped(*args, **kwargs):
-    flat, treedef = jax.tree.flatten((args, kwargs))
+  def rewritten(static, treedef, *arrays):
+    """``fun`` on the array leaves, its jaxpr evaluated by the rules."""
 
     def flat_fun(*leaves):
-      a, k = jax.tree.unflatten(treedef, leaves)
+      a, k = jax.tree.unflatten(treedef, _merge(static, leaves))
       return fun(*a, **k)
 
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*flat)
-    outs = _eval(closed.jaxpr, closed.consts, flat, rules)
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
+    outs = _eval(closed.jaxpr, closed.consts, arrays, rules)
     outs = [
       _cast(x, s.dtype) if _is_float(x.dtype) and _is_float(s.dtype) else x
       for x, s in zip(outs, jax.tree.leaves(out_shape), strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+  # Compiled once per input signature (as jax.jit does), so that calls
+  # outside jit neither rewrite nor compile the function again; under an
+  # outer jit the call is traced into it.
+  cached = jax.jit(rewritten, static_argnums=(0, 1))
+
+  @functools.wraps(fun)
+  def wrapped(*args, **kwargs):
+    flat, treedef = jax.tree.flatten((args, kwargs))
+    static = tuple((i, x) for i, x in enumerate(flat) if _is_static(x))
+    arrays = [x for x in flat if not _is_static(x)]
+    try:
+      hash(static)
+    except TypeError:  # an unhashable static leaf: rewritten on every call
+      return rewritten(static, treedef, *arrays)
+    return cached(static, treedef, *arrays)
 
   wrapped.compute_dtype = rules.half
   return wrapped

@@ -51,13 +51,16 @@ def call_body(eqn: Any) -> tuple[Jaxpr, list[Any]] | None:
 
 
 def bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list:
-  """Binds ``eqn``'s primitive to ``invals`` (optionally other params)."""
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  """Binds ``eqn``'s primitive to ``invals``, with ``params`` replacing its own.
+
+  The replaced params go through the primitive's own preparation, so a call
+  primitive's body (``call_jaxpr``) can be replaced too.
+  """
+  all_params = eqn.params if params is None else {**eqn.params, **params}
+  bind_params = eqn.primitive.get_bind_params(all_params)
   subfuns: list[Any] = []
   if isinstance(bind_params, tuple):  # JAX < 0.7: (subfuns, params)
     subfuns, bind_params = bind_params
-  if params is not None:
-    bind_params = {**bind_params, **params}
   context = getattr(getattr(eqn, "ctx", None), "manager", contextlib.nullcontext())
   with context:
     out = eqn.primitive.bind(*subfuns, *invals, **bind_params)

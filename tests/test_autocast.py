@@ -278,3 +278,115 @@ def test_custom_vjp_body_is_rewritten():
   np.testing.assert_allclose(
     jax.grad(fast)(w, x), jax.grad(f)(w, x), rtol=2e-2, atol=1e-3
   )
+
+
+# --- the user's own numerics are kept ----------------------------------------
+
+
+def test_an_explicit_wider_result_type_is_kept():
+  a = jnp.full((4, 256), 64.0, jnp.float16)
+  b = jnp.full((256, 4), 64.0, jnp.float16)
+  f = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)
+  got = ols.autocast(f, compute_dtype=jnp.float16)(a, b)
+  assert got.dtype == jnp.float32 and float(got[0, 0]) == 64.0 * 64.0 * 256
+  # jax.nn.dot_product_attention's logits: float32 on purpose, still float32.
+  q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
+  g = ols.autocast(
+    lambda q: jax.nn.dot_product_attention(q, q, q), compute_dtype=jnp.bfloat16
+  )
+  dots = [
+    e for e in _eqns(jax.make_jaxpr(g)(q).jaxpr) if e.primitive.name == "dot_general"
+  ]
+  assert dots[0].outvars[0].aval.dtype == jnp.float32
+
+
+def _straight_through(x):
+  @jax.custom_vjp
+  def ste(x):
+    return jnp.round(x)
+
+  ste.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+  return jnp.sum(ste(x * 2.0))
+
+
+@pytest.mark.parametrize(
+  "name, f, x",
+  [
+    ("straight-through custom_vjp", _straight_through, jnp.array([0.3, 1.7])),
+    ("relu's custom_jvp at 0", lambda x: jnp.sum(jax.nn.relu(x)), jnp.zeros(3)),
+    ("pinv's custom_jvp", lambda x: jnp.sum(jnp.linalg.pinv(x)), jnp.eye(2)),
+  ],
+)
+def test_custom_derivative_rules_are_kept(name, f, x):
+  expected = jax.grad(f)(x)
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  np.testing.assert_allclose(jax.grad(fast)(x), expected, err_msg=name)
+  np.testing.assert_allclose(jax.jit(jax.grad(fast))(x), expected, err_msg=name)
+
+
+@pytest.mark.parametrize(
+  "spelling",
+  [
+    lambda h: jnp.square(h),
+    lambda h: h**2,
+    lambda h: h * h,
+    lambda h: jnp.power(h, 2),
+    lambda h: lax.integer_pow(h, 2),
+    lambda h: lax.square(h),
+  ],
+)
+def test_every_spelling_of_a_square_runs_in_float32(spelling):
+  """An RMSNorm of activations near 300: their squares overflow float16."""
+
+  def rms_norm(w, x):
+    h = x @ w
+    return h * lax.rsqrt(jnp.mean(spelling(h), axis=-1, keepdims=True) + 1e-6)
+
+  w = jnp.full((4, 8), 10.0, jnp.float32)
+  x = jnp.full((2, 4), 7.5, jnp.float32)  # h = 300, in float16 after the matmul
+  fast = ols.autocast(rms_norm, compute_dtype=jnp.float16)
+  np.testing.assert_allclose(fast(w, x), rms_norm(w, x), rtol=1e-2)
+  squares = [
+    e.outvars[0].aval.dtype
+    for e in _eqns(jax.make_jaxpr(fast)(w, x).jaxpr)
+    if e.primitive.name in ("square", "integer_pow", "pow")
+    or (e.primitive.name == "mul" and e.invars[0] is e.invars[1])
+  ]
+  assert squares == [jnp.float32], squares
+
+
+def test_bool_and_string_arguments_are_static_numbers_are_traced():
+  seen = []
+
+  def f(x, scale, *, train, mode):
+    seen.append((train, mode))
+    y = x * scale
+    return jnp.tanh(y) if (train and mode == "tanh") else y
+
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  x = jnp.ones(3)
+  np.testing.assert_allclose(
+    fast(x, 0.5, train=True, mode="tanh"), f(x, 0.5, train=True, mode="tanh"), rtol=1e-3
+  )
+  np.testing.assert_allclose(fast(x, 2.0, train=False, mode="tanh"), 2.0 * x)
+  out = jax.jit(lambda x: fast(x, 0.5, train=True, mode="id"))(x)
+  np.testing.assert_allclose(out, 0.5 * x)
+  # A float is traced, not a static value: a new one is no new trace.
+  n = len(seen)
+  fast(x, 0.25, train=True, mode="tanh")
+  assert len(seen) == n
+
+
+def test_calls_outside_jit_are_rewritten_once_per_signature():
+  traces = []
+
+  def f(x):
+    traces.append(x.shape)
+    return lax.scan(lambda c, r: (c + jnp.tanh(r), c), jnp.zeros(x.shape[1]), x)[0]
+
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  for _ in range(5):
+    fast(jnp.ones((3, 4)))
+  assert traces == [(3, 4)]
+  fast(jnp.ones((2, 4)))  # another signature: one more trace
+  assert traces == [(3, 4), (2, 4)]
