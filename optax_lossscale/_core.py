@@ -135,6 +135,28 @@ def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
 _UINT = {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
 
 
+#: Leaves of at most this many entries, in groups of fewer than
+#: :data:`CONCAT_MAX_GROUP` leaves of one size, are checked concatenated.
+CONCAT_MAX_SIZE = 1 << 16
+CONCAT_MAX_GROUP = 4
+
+
+def _concatenated(size: int, count: int) -> bool:
+  return 0 < size <= CONCAT_MAX_SIZE and count < CONCAT_MAX_GROUP
+
+
+def _tested(x: jax.Array) -> jax.Array:
+  """``x`` in a dtype whose bits :func:`_exponent_bits` tests.
+
+  float16, bfloat16, float32 and float64 as they are; other floating dtypes
+  (float8 formats, whose all-ones exponent can be finite) in float32, which
+  is exact and keeps ``inf`` and NaN.
+  """
+  if x.dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+    return x
+  return x.astype(_F32)
+
+
 def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
   """``(x's exponent bits as unsigned integers, the all-ones exponent)``.
 
@@ -142,12 +164,7 @@ def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
   ones. Integer ``&``, ``max`` and ``==`` cannot be folded by any
   floating-point simplification (fast-math flags fold ``x - x`` to 0 and
   ``isnan`` to false), so the test holds whatever flags XLA runs with.
-  float16, bfloat16, float32 and float64 are tested as they are; other
-  floating dtypes (float8 formats, whose all-ones exponent can be finite)
-  are converted to float32 first, which is exact and keeps ``inf`` and NaN.
   """
-  if x.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
-    x = x.astype(_F32)
   info = jnp.finfo(x.dtype)
   uint = _UINT[info.bits]
   mask = ((1 << info.nexp) - 1) << info.nmant
@@ -185,20 +202,31 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
     >>> bool(ols.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
     False
   """
-  groups: dict[tuple[int, Any, int], list[jax.Array]] = {}
+  groups: dict[tuple[int, Any], list[jax.Array]] = {}
   for x in array_leaves(tree):
     if not is_float_array(x):
       continue
     x = jnp.ravel(x)
     for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
-      bits, mask = _exponent_bits(part)
-      groups.setdefault((bits.size, bits.dtype, mask), []).append(bits)
+      part = _tested(part)
+      groups.setdefault((part.size, part.dtype), []).append(part)
+  # Small leaves of sizes that few other leaves share are concatenated, per
+  # dtype, into one array: one reduction for them all. Each would otherwise
+  # be a reduction of its own, and XLA's compile time grows much faster than
+  # the number of reductions next to the skip's selects (BENCHMARKS.md). The
+  # bits are tested after the concatenation: XLA splits a reduction of a
+  # concatenation back into one reduction per operand.
+  small: dict[Any, list[jax.Array]] = {}
+  for key in [k for k, v in groups.items() if _concatenated(k[0], len(v))]:
+    small.setdefault(key[1], []).extend(groups.pop(key))
+  for dtype, parts in small.items():
+    groups[(-1, dtype)] = [jnp.concatenate(parts)]
   chunks = []  # (the elementwise maximum of up to `chunk` leaves, all ones)
-  for (size, _, mask), leaves in groups.items():
-    for i in range(0, len(leaves) if size else 0, chunk):
-      acc = leaves[i]
-      for b in leaves[i + 1 : i + chunk]:
-        acc = jnp.maximum(acc, b)
+  for (size, _), parts in groups.items():
+    for i in range(0, len(parts) if size else 0, chunk):
+      acc, mask = _exponent_bits(parts[i])
+      for part in parts[i + 1 : i + chunk]:
+        acc = jnp.maximum(acc, _exponent_bits(part)[0])
       chunks.append((acc, mask))
   if not chunks:
     return jnp.array(True)
