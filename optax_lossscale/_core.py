@@ -339,6 +339,7 @@ def unscale_and_check(
     ``(unscaled grads, finite)``, the flag ANDed over ``axis_name``. A
     no-op configuration returns the gradients untouched and ``True``.
   """
+  array_leaves(scaled_grads)  # refused by name, whatever the configuration
   if config.noop:
     return scaled_grads, jnp.array(True)
   grads = unscale(scaled_grads, loss_scale)

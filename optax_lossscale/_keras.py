@@ -128,6 +128,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     if dynamic:
       if dynamic_growth_steps is None:
         raise ValueError("`dynamic_growth_steps` must be an integer when dynamic.")
+      _validate.int_in("dynamic_growth_steps", dynamic_growth_steps, 1)
       scale = _loss_scale.DynamicLossScale(
         initial_scale,
         growth_interval=dynamic_growth_steps,
@@ -163,9 +164,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
     if weight_decay is not None:
       weight_decay = _validate.float_in("weight_decay", weight_decay, 0.0, math.inf)
-    clipnorm = _validate.optional_positive("clipnorm", clipnorm)
-    clipvalue = _validate.optional_positive("clipvalue", clipvalue)
-    global_clipnorm = _validate.optional_positive("global_clipnorm", global_clipnorm)
+      _validate.as_f32("weight_decay", weight_decay)
+    clipnorm = _validate.optional_positive("clipnorm", clipnorm, f32=True)
+    clipvalue = _validate.optional_positive("clipvalue", clipvalue, f32=True)
+    global_clipnorm = _validate.optional_positive(
+      "global_clipnorm", global_clipnorm, f32=True
+    )
     if sum(c is not None for c in (clipnorm, clipvalue, global_clipnorm)) > 1:
       raise ValueError(
         "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set; "

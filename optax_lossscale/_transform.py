@@ -67,7 +67,8 @@ def _check_inner_state(inner: Any, inner_state: Any, grads: Any, params: Any) ->
   if got != expected:
     raise ValueError(
       "The state's inner_state was not made by this loss scale's inner "
-      "optimizer (a state saved with another optimizer?).\n"
+      "optimizer (a state saved with another optimizer?). Restore it into "
+      "the optimizer that made it, or init a fresh state with this one.\n"
       f"  state holds:    {_short(got)}\n"
       f"  inner.init has: {_short(expected)}"
     )

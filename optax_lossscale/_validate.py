@@ -94,11 +94,11 @@ def int_in(name: str, value: Any, lo: int, hi: int = INT32_MAX) -> int:
   return out
 
 
-def optional_positive(name: str, value: Any) -> float | None:
-  """``None``, or ``value`` as a positive finite float."""
+def optional_positive(name: str, value: Any, *, f32: bool = False) -> float | None:
+  """``None``, or ``value`` as a positive finite float (finite in float32 too)."""
   if value is None:
     return None
-  out = as_float(name, value)
+  out = as_f32(name, value) if f32 else as_float(name, value)
   if out <= 0:
     raise ValueError(f"`{name}` must be positive or None, got {value!r}.")
   return out
