@@ -198,7 +198,7 @@ def test_both_names_of_one_argument_is_an_error_whatever_the_values(kwargs):
     ({"loss_scale_factor": 0.0}, "loss_scale_factor"),
     ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),
     ({"initial_scale": -2.0}, "initial_scale"),
-    ({"dynamic_growth_steps": 0}, "growth_interval"),
+    ({"dynamic_growth_steps": 0}, "dynamic_growth_steps"),  # its own name
     ({"dynamic_growth_steps": None}, "dynamic_growth_steps"),
     ({"dynamic": "yes"}, "dynamic"),
     ({"min_scale": 4.0, "initial_scale": 2.0}, "initial_scale"),
