@@ -32,9 +32,11 @@ Run:  python examples/train_lm.py [--steps N] [--out DIR]   (see --help)
 from __future__ import annotations
 
 import argparse
+import collections
 import glob
 import math
 import os
+import re
 import sysconfig
 import time
 
@@ -47,22 +49,54 @@ from tqdm import tqdm
 
 import optax_lossscale as ols
 
-VOCAB = 256  # one token per byte value
-
 
 def load_text(val_fraction: float):
   """The standard library's top-level ``.py`` files, as bytes: (train, val)."""
   stdlib = sysconfig.get_paths()["stdlib"]
   files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
   data = b"".join(open(f, "rb").read() for f in files)
-  tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
-  split = int(len(tokens) * (1 - val_fraction))
-  return tokens[:split], tokens[split:], len(files), stdlib
+  split = int(len(data) * (1 - val_fraction))
+  return data[:split], data[split:], len(files), stdlib
+
+
+PIECES = re.compile(rb"\w+|\s+|[^\w\s]")  # words, whitespace runs, symbols
+
+
+def make_tokenizer(train: bytes, vocab: int):
+  """Tokens 0-255 are bytes; 256.. the most frequent multi-byte pieces of ``train``.
+
+  Text is cut into words, runs of whitespace and single symbols; a piece in the
+  vocabulary is one token, any other piece is spelled out byte by byte. With
+  ``vocab == 256`` the model is byte-level.
+  """
+  counts = collections.Counter(p for p in PIECES.findall(train) if len(p) > 1)
+  words = sorted(counts, key=lambda p: (-counts[p], p))[: vocab - 256]
+  ids = {w: 256 + i for i, w in enumerate(words)}
+
+  def encode(data: bytes):
+    """(token ids, bytes per token) as int32 arrays."""
+    if vocab == 256:
+      tokens = np.frombuffer(data, np.uint8).astype(np.int32)
+      return tokens, np.ones_like(tokens)
+    tokens, sizes = [], []
+    for p in PIECES.findall(data):
+      i = ids.get(p)
+      if i is None:
+        tokens.extend(p)
+        sizes.extend([1] * len(p))
+      else:
+        tokens.append(i)
+        sizes.append(len(p))
+    return np.array(tokens, np.int32), np.array(sizes, np.int32)
+
+  return encode
 
 
 def dense(features, dtype, **kw):
   init = nn.initializers.normal(0.02)  # GPT-2's initialisation
-  return nn.Dense(features, dtype=dtype, param_dtype=jnp.float32, kernel_init=init, **kw)
+  return nn.Dense(
+    features, dtype=dtype, param_dtype=jnp.float32, kernel_init=init, **kw
+  )
 
 
 class Block(nn.Module):
@@ -97,6 +131,7 @@ class Transformer(nn.Module):
   width: int
   heads: int
   context: int
+  vocab: int
   dtype: jnp.dtype = jnp.float32
 
   @nn.compact
@@ -109,13 +144,13 @@ class Transformer(nn.Module):
       embedding_init=nn.initializers.normal(0.02),
       name=name,
     )
-    x = emb(VOCAB, "embed")(tokens) + emb(self.context, "pos")(
+    x = emb(self.vocab, "embed")(tokens) + emb(self.context, "pos")(
       jnp.arange(tokens.shape[1])
     )
     for i in range(self.layers):
       x = Block(self.width, self.heads, self.dtype, name=f"block_{i}")(x)
     x = nn.LayerNorm(dtype=self.dtype, param_dtype=jnp.float32, name="ln_out")(x)
-    return dense(VOCAB, self.dtype, name="head")(x)
+    return dense(self.vocab, self.dtype, name="head")(x)
 
 
 def loss_fn(model, params, tokens):
@@ -124,9 +159,28 @@ def loss_fn(model, params, tokens):
   return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+def loss_and_logit_underflow(model, params, tokens, scale):
+  """The loss, and the fraction of its logit gradients that are 0 in float16.
+
+  The gradient of ``loss * scale`` with respect to the float32 logits is
+  ``scale * (softmax(logits) - one_hot(target)) / N`` (N tokens); the float16
+  backward pass starts from it cast to float16, where entries below 2**-25
+  become 0.
+  """
+  logits = model.apply({"params": params}, tokens[:, :-1]).astype(jnp.float32)
+  targets = tokens[:, 1:]
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+  g = jax.nn.softmax(logits) - jax.nn.one_hot(targets, logits.shape[-1])
+  g = jax.lax.stop_gradient(g * (scale / targets.size))
+  lost = jnp.mean((g.astype(jnp.float16) == 0) & (g != 0))
+  return loss, lost
+
+
 def layer_groups(params):
   """Plot/table names of the parameter groups, from the input to the output."""
-  blocks = sorted((k for k in params if k.startswith("block_")), key=lambda k: int(k[6:]))
+  blocks = sorted(
+    (k for k in params if k.startswith("block_")), key=lambda k: int(k[6:])
+  )
   groups = {"embeddings": ["embed", "pos"]}
   groups.update({f"block {int(k[6:]) + 1}": [k] for k in blocks})
   groups["output layer"] = ["ln_out", "head"]
@@ -140,7 +194,9 @@ def make_underflow(groups):
   def underflow(grads, reference):
     lost, total = [], []
     for keys in groups.values():
-      g = jnp.concatenate([jnp.ravel(a) for k in keys for a in jax.tree.leaves(grads[k])])
+      g = jnp.concatenate(
+        [jnp.ravel(a) for k in keys for a in jax.tree.leaves(grads[k])]
+      )
       r = jnp.concatenate(
         [jnp.ravel(a) for k in keys for a in jax.tree.leaves(reference[k])]
       )
@@ -156,33 +212,34 @@ def make_underflow(groups):
 def make_step(model, tx, scaled):
   @jax.jit
   def step(params, opt_state, tokens):
-    f = lambda p: loss_fn(model, p, tokens)
     if scaled:
       # Gradients of loss * scale, with the scale this step starts with.
       scale = ols.get_scale(opt_state)
-      loss, grads = ols.value_and_grad(f)(opt_state, params)
+      f = lambda p: loss_and_logit_underflow(model, p, tokens, scale)
+      (loss, logit_lost), grads = ols.value_and_grad(f, has_aux=True)(opt_state, params)
       grads_applied = ols.unscale(grads, scale)  # what Adam sees, if finite
     else:
       scale = jnp.float32(1.0)
-      loss, grads = jax.value_and_grad(f)(params)
+      f = lambda p: loss_and_logit_underflow(model, p, tokens, scale)
+      (loss, logit_lost), grads = jax.value_and_grad(f, has_aux=True)(params)
       grads_applied = grads
     updates, opt_state = tx.update(grads, opt_state, params)
     skipped = (
       ols.diagnostics(opt_state)["last_step_skipped"] if scaled else jnp.array(False)
     )
     params = optax.apply_updates(params, updates)
-    return params, opt_state, loss, scale, skipped, grads_applied
+    return params, opt_state, loss, scale, skipped, logit_lost, grads_applied
 
   return step
 
 
 def run(name, dtype, tx, cfg, batches, groups, shared, progress):
-  model = Transformer(cfg.layers, cfg.width, cfg.heads, cfg.context, dtype)
+  model = Transformer(cfg.layers, cfg.width, cfg.heads, cfg.context, cfg.vocab, dtype)
   params = model.init(jax.random.key(cfg.seed), batches[0][:, :-1])["params"]
   opt_state = tx.init(params)
   scaled = name.endswith("loss scale")
   step = make_step(model, tx, scaled)
-  hist = {"loss": [], "scale": [], "skipped": []}
+  hist = {"loss": [], "scale": [], "skipped": [], "logit_lost": []}
   lost_steps, lost = [], []
   val_steps, val = [], []
   for i, tokens in enumerate(batches):
@@ -190,11 +247,13 @@ def run(name, dtype, tx, cfg, batches, groups, shared, progress):
       val_steps.append(i)
       val.append(shared["val_loss"](params))
     old_params = params
-    params, opt_state, loss, scale, skipped, grads = step(params, opt_state, tokens)
+    params, opt_state, loss, scale, skipped, logit_lost, grads = step(
+      params, opt_state, tokens
+    )
     if dtype != jnp.float32 and i % cfg.measure_every == 0:
       lost_steps.append(i)
       lost.append(shared["underflow"](grads, shared["ref_grad"](old_params, tokens)))
-    for k, v in zip(hist, (loss, scale, skipped), strict=True):
+    for k, v in zip(hist, (loss, scale, skipped, logit_lost), strict=True):
       hist[k].append(v)
     progress.update(1)
   val_steps.append(len(batches))
@@ -202,7 +261,9 @@ def run(name, dtype, tx, cfg, batches, groups, shared, progress):
   hist = {k: np.asarray(jax.device_get(v), np.float64) for k, v in hist.items()}
   hist["val_steps"], hist["val"] = np.array(val_steps), np.array(jax.device_get(val))
   hist["lost_steps"] = np.array(lost_steps)
-  hist["lost"] = np.array(jax.device_get(lost)).reshape(len(lost_steps), len(groups) + 1)
+  hist["lost"] = np.array(jax.device_get(lost)).reshape(
+    len(lost_steps), len(groups) + 1
+  )
   # Underflow is only meaningful on steps whose gradients were applied.
   applied = hist["skipped"][hist["lost_steps"]] == 0 if lost_steps else []
   return dict(
@@ -213,6 +274,10 @@ def run(name, dtype, tx, cfg, batches, groups, shared, progress):
     skipped=int(hist["skipped"].sum()),
     scale=float(ols.get_scale(opt_state)) if scaled else None,
     lost=float(np.mean(hist["lost"][applied, -1])) if lost_steps else None,
+    lost_per_layer=np.mean(hist["lost"][applied, :-1], axis=0) if lost_steps else None,
+    logit_lost=float(np.mean(hist["logit_lost"][hist["skipped"] == 0]))
+    if dtype != jnp.float32
+    else None,
   )
 
 
@@ -237,7 +302,9 @@ def plot(results, groups, cfg, path):
     h, c = r["hist"], colors[r["name"]]
     steps = np.arange(1, len(h["loss"]) + 1)
     ax1.plot(steps, h["loss"], color=c, lw=0.5, alpha=0.25)
-    ax1.plot(steps, smooth(h["loss"], 20), color=c, lw=1.5, label=f"{r['name']}: training")
+    ax1.plot(
+      steps, smooth(h["loss"], 20), color=c, lw=1.5, label=f"{r['name']}: training"
+    )
     ax1.plot(
       h["val_steps"],
       h["val"],
@@ -248,7 +315,9 @@ def plot(results, groups, cfg, path):
       label=f"{r['name']}: validation ({r['val']:.3f} at the end)",
     )
   ax1.set_ylabel("loss (nats per byte)")
-  lo = min(min(r["hist"]["val"].min(), smooth(r["hist"]["loss"], 20).min()) for r in results)
+  lo = min(
+    min(r["hist"]["val"].min(), smooth(r["hist"]["loss"], 20).min()) for r in results
+  )
   ax1.set_ylim(lo - 0.05, lo + 1.5)
   ax1.set_title("Loss (training: 20-step running mean; validation: held-out bytes)")
   ax1.legend(fontsize=8)
@@ -293,7 +362,9 @@ def plot(results, groups, cfg, path):
   ax3.set_yscale("log", base=2)
   ax3.set_ylabel("loss scale")
   ax3.set_xlabel("training step")
-  ax3.set_title("Loss scale the step's gradients were computed with (float16 + loss scale)")
+  ax3.set_title(
+    "Loss scale the step's gradients were computed with (float16 + loss scale)"
+  )
   ax3.legend(fontsize=8)
   fig.suptitle(
     f"Byte-level transformer on Python's standard library ({cfg.layers} layers, "
@@ -311,15 +382,22 @@ def parse_args(argv=None):
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
   p.add_argument("--steps", type=int, default=300, help="training steps per run")
-  p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-  p.add_argument("--width", type=int, default=64, help="model width (embedding size)")
+  p.add_argument("--layers", type=int, default=2, help="transformer blocks")
+  p.add_argument("--width", type=int, default=128, help="model width (embedding size)")
   p.add_argument("--heads", type=int, default=4, help="attention heads per block")
   p.add_argument("--context", type=int, default=128, help="bytes per sequence")
   p.add_argument(
     "--batch",
     type=int,
-    default=64,
+    default=32,
     help="sequences per batch; the loss is the mean over batch x context tokens",
+  )
+  p.add_argument(
+    "--vocab",
+    type=int,
+    default=256,
+    help="vocabulary size: 256 byte tokens plus the VOCAB-256 most frequent "
+    "words and whitespace runs of the training text (256: bytes only)",
   )
   p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
   p.add_argument(
@@ -334,7 +412,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--measure-every",
     type=int,
-    default=5,
+    default=10,
     help="measure the underflow every this many steps (costs a float32 backward pass)",
   )
   p.add_argument(
@@ -353,7 +431,10 @@ def parse_args(argv=None):
     help="fraction of the text (its end) held out for validation",
   )
   p.add_argument(
-    "--seed", type=int, default=0, help="initialisation and batch order (same for all runs)"
+    "--seed",
+    type=int,
+    default=0,
+    help="initialisation and batch order (same for all runs)",
   )
   p.add_argument("--out", default=default_out, help="directory for the PNG plot")
   return p.parse_args(argv)
@@ -363,18 +444,26 @@ def main(argv=None):
   cfg = parse_args(argv)
   os.makedirs(cfg.out, exist_ok=True)
   t0 = time.perf_counter()
-  train, val, n_files, stdlib = load_text(cfg.val_fraction)
+  train_text, val_text, n_files, stdlib = load_text(cfg.val_fraction)
+  encode = make_tokenizer(train_text, cfg.vocab)
+  train, _ = encode(train_text)
+  val, val_sizes = encode(val_text)
   print(
-    f"text: {n_files} files from {stdlib}, {len(train):,} bytes for training, "
-    f"{len(val):,} held out"
+    f"text: {n_files} files from {stdlib}: {len(train_text):,} bytes "
+    f"({len(train):,} tokens) for training, {len(val_text):,} bytes held out"
   )
   rng = np.random.default_rng(cfg.seed)
   starts = rng.integers(0, len(train) - cfg.context - 1, (cfg.steps, cfg.batch))
   batches = [train[s[:, None] + np.arange(cfg.context + 1)] for s in starts]
-  val_starts = np.linspace(0, len(val) - cfg.context - 1, cfg.eval_sequences).astype(int)
-  val_tokens = val[val_starts[:, None] + np.arange(cfg.context + 1)]
+  val_starts = np.linspace(0, len(val) - cfg.context - 1, cfg.eval_sequences)
+  val_idx = val_starts.astype(int)[:, None] + np.arange(cfg.context + 1)
+  val_tokens = val[val_idx]
+  # Bits per byte = nats per token * tokens / bytes / ln 2.
+  tokens_per_byte = val_idx[:, 1:].size / val_sizes[val_idx[:, 1:]].sum()
 
-  ref_model = Transformer(cfg.layers, cfg.width, cfg.heads, cfg.context, jnp.float32)
+  ref_model = Transformer(
+    cfg.layers, cfg.width, cfg.heads, cfg.context, cfg.vocab, jnp.float32
+  )
   shape_params = ref_model.init(jax.random.key(0), batches[0][:, :-1])["params"]
   groups = layer_groups(shape_params)
   shared = dict(
@@ -405,15 +494,17 @@ def main(argv=None):
   ref = results[0]["val"]
   header = (
     f"{'run':<22}{'val loss':>9}{'bits/byte':>10}{'gap':>8}{'skipped':>9}"
-    f"{'scale':>8}{'underflow':>11}"
+    f"{'scale':>8}{'underflow':>11}{'logit grads':>13}"
   )
   print("\n" + header + "\n" + "-" * len(header))
   for r in results:
     scale = "-" if r["scale"] is None else f"{r['scale']:.0f}"
     lost = "-" if r["lost"] is None else f"{r['lost']:.2%}"
+    logit = "-" if r["logit_lost"] is None else f"{r['logit_lost']:.2%}"
     print(
-      f"{r['name']:<22}{r['val']:>9.4f}{r['val'] / math.log(2):>10.3f}"
-      f"{r['val'] - ref:>+8.4f}{r['skipped']:>9d}{scale:>8}{lost:>11}"
+      f"{r['name']:<22}{r['val']:>9.4f}"
+      f"{r['val'] * tokens_per_byte / math.log(2):>10.3f}"
+      f"{r['val'] - ref:>+8.4f}{r['skipped']:>9d}{scale:>8}{lost:>11}{logit:>13}"
     )
   print(
     f"\nval loss: mean cross-entropy (nats per byte) on {cfg.eval_sequences} "
@@ -424,6 +515,11 @@ def main(argv=None):
     "scale after the last step; in the plot, the scale at step t is the one "
     "step t's gradients were computed with (before that step's adjustment)."
   )
+  for r in results[1:]:
+    per_layer = ", ".join(
+      f"{g} {x:.2%}" for g, x in zip(groups, r["lost_per_layer"], strict=True)
+    )
+    print(f"underflow per layer, {r['name']}: {per_layer}")
   path = os.path.join(cfg.out, "lm_loss_scale.png")
   plot(results, groups, cfg, path)
   print(f"plot: {path}\ntotal time: {time.perf_counter() - t0:.1f} s")

@@ -1,0 +1,60 @@
+"""examples/train_lm.py runs end to end, small, and reports what it measured."""
+
+import math
+import re
+
+import pytest
+import versions
+from test_examples import run_example
+
+ROW = re.compile(
+  r"^(float32|float16 \+ loss scale|float16)\s+"
+  r"([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$"
+)
+
+
+def percent(text):
+  return None if text == "-" else float(text.rstrip("%"))
+
+
+@versions.examples
+@pytest.mark.slow
+def test_train_lm_example(tmp_path):
+  stdout = run_example(
+    "train_lm.py",
+    *("--steps", 40, "--layers", 2, "--width", 32, "--heads", 2),
+    *("--context", 64, "--batch", 32, "--eval-every", 20, "--measure-every", 4),
+    *("--eval-sequences", 16, "--growth-interval", 10, "--out", tmp_path),
+  )
+  rows = {}
+  for line in stdout.splitlines():
+    m = ROW.match(line)
+    if m:
+      val, bpb, gap, skipped, scale, lost, logit = m.groups()[1:]
+      rows[m.group(1)] = dict(
+        val=float(val),
+        bpb=float(bpb),
+        gap=float(gap),
+        skipped=int(skipped),
+        scale=scale,
+        lost=percent(lost),
+        logit=percent(logit),
+      )
+  assert set(rows) == {"float32", "float16", "float16 + loss scale"}, stdout
+  for name, r in rows.items():
+    # Finite, and below the 5.55 nats of a uniform guess over 256 bytes.
+    assert math.isfinite(r["val"]) and 0 < r["val"] < math.log(256), (name, r)
+  assert rows["float32"]["gap"] == 0.0
+  # Only the loss-scaled run has a scale (and skips); float32 is the reference.
+  assert rows["float32"]["scale"] == rows["float16"]["scale"] == "-"
+  assert float(rows["float16 + loss scale"]["scale"]) >= 1.0
+  assert rows["float32"]["skipped"] == rows["float16"]["skipped"] == 0
+  assert rows["float32"]["lost"] is None and rows["float32"]["logit"] is None
+  # float16 loses gradient entries to underflow; loss scaling loses fewer.
+  f16, scaled = rows["float16"], rows["float16 + loss scale"]
+  assert f16["lost"] > 0, stdout
+  assert scaled["lost"] < f16["lost"], stdout
+  assert scaled["logit"] <= f16["logit"], stdout
+  assert "before that step's adjustment" in stdout
+  png = tmp_path / "lm_loss_scale.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
