@@ -5,14 +5,11 @@ named in its first docstring line; the names in its ``__all__`` are the
 package-internal API the other modules use.
 """
 
-from optax_lossscale._autocast import ALLOW_LIST as ALLOW_LIST
-from optax_lossscale._autocast import CLEAR_LIST as CLEAR_LIST
-from optax_lossscale._autocast import DENY_LIST as DENY_LIST
-from optax_lossscale._autocast import INFER_LIST as INFER_LIST
 from optax_lossscale._autocast import autocast as autocast
-from optax_lossscale._autocast import (
-  enable_mixed_precision as enable_mixed_precision,
-)
+from optax_lossscale._autocast_lists import ALLOW_LIST as ALLOW_LIST
+from optax_lossscale._autocast_lists import CLEAR_LIST as CLEAR_LIST
+from optax_lossscale._autocast_lists import DENY_LIST as DENY_LIST
+from optax_lossscale._autocast_lists import INFER_LIST as INFER_LIST
 from optax_lossscale._config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from optax_lossscale._config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
 from optax_lossscale._config import LossScaleConfig as LossScaleConfig
@@ -33,6 +30,9 @@ from optax_lossscale._loss_scale import DynamicLossScale as DynamicLossScale
 from optax_lossscale._loss_scale import LossScale as LossScale
 from optax_lossscale._loss_scale import NoOpLossScale as NoOpLossScale
 from optax_lossscale._loss_scale import StaticLossScale as StaticLossScale
+from optax_lossscale._mixed_precision import (
+  enable_mixed_precision as enable_mixed_precision,
+)
 from optax_lossscale._optimizers import get_learning_rate as get_learning_rate
 from optax_lossscale._optimizers import set_learning_rate as set_learning_rate
 from optax_lossscale._policy import Policy as Policy

@@ -13,12 +13,12 @@ floating inputs are cast according to four public lists (TF's names):
 * clear: data movement passes its input's dtype through.
 
 A primitive in no list runs in float32 (TF treats unlisted ops the same way).
+The lists live in ``_autocast_lists``.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -27,115 +27,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _config, _jaxpr, _policy, _transform
+from optax_lossscale import _jaxpr, _policy
+from optax_lossscale._autocast_lists import (
+  ALLOW_LIST,
+  CLEAR_LIST,
+  DENY_LIST,
+  INFER_LIST,
+)
 from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr, Literal
 
-#: Run in the half dtype.
-ALLOW_LIST = frozenset(
-  {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
-)
-#: Run in float32.
-DENY_LIST = frozenset(
-  {
-    "exp",
-    "exp2",
-    "expm1",
-    "log",
-    "log1p",
-    "logistic",
-    "erf",
-    "erfc",
-    "erf_inv",
-    "lgamma",
-    "digamma",
-    "igamma",
-    "pow",
-    "integer_pow",
-    "square",
-    "sqrt",
-    "rsqrt",
-    "cbrt",
-    "div",
-    "reduce_sum",
-    "reduce_prod",
-    "cumsum",
-    "cumprod",
-    "cumlogsumexp",
-    "reduce_precision",
-    "tan",
-    "atan2",
-    "sinh",
-    "cosh",
-    "asin",
-    "acos",
-    "atan",
-    "asinh",
-    "acosh",
-    "atanh",
-    "sin",
-    "cos",
-  }
-)
-#: Run in the half dtype if every floating input is half, else float32.
-INFER_LIST = frozenset(
-  {
-    "add",
-    "add_any",
-    "sub",
-    "mul",
-    "neg",
-    "max",
-    "min",
-    "abs",
-    "sign",
-    "tanh",
-    "floor",
-    "ceil",
-    "round",
-    "clamp",
-    "nextafter",
-    "rem",
-    "is_finite",
-    "eq",
-    "ne",
-    "lt",
-    "le",
-    "gt",
-    "ge",
-    "stop_gradient",
-  }
-)
-#: Pass the dtype through.
-CLEAR_LIST = frozenset(
-  {
-    "reshape",
-    "transpose",
-    "slice",
-    "dynamic_slice",
-    "dynamic_update_slice",
-    "gather",
-    "concatenate",
-    "select_n",
-    "broadcast_in_dim",
-    "squeeze",
-    "expand_dims",
-    "rev",
-    "pad",
-    "copy",
-    "copy_p",
-    "reduce_max",
-    "reduce_min",
-    "argmax",
-    "argmin",
-    "sort",
-    "convert_element_type",
-    "iota",
-  }
-)
-
-_LOG = logging.getLogger("optax_lossscale")
-
-# Custom-derivative calls, whose bodies are inlined (their rules are not kept).
+# Custom-derivative calls: their bodies are rewritten, their rules kept.
 _CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
@@ -464,57 +365,3 @@ def autocast(
 
   wrapped.compute_dtype = rules.half
   return wrapped
-
-
-def enable_mixed_precision(
-  fun: Callable[..., Any],
-  optimizer: Any,
-  *,
-  compute_dtype: Any = None,
-  **loss_scale_kwargs: Any,
-) -> tuple[Callable[..., Any], Any]:
-  """TensorFlow's ``enable_mixed_precision_graph_rewrite``: autocast and a loss scale.
-
-  Returns ``(autocast(fun), loss-scaled optimizer)`` in one call. Without
-  ``compute_dtype`` the dtype is the backend's (:func:`default_half_dtype`):
-  float16 with dynamic loss scaling on GPUs, bfloat16 *without* loss scaling
-  on CPUs and TPUs (bfloat16 needs none, and float16 is slow there). The
-  choice is logged at INFO level on the ``optax_lossscale`` logger and
-  readable as ``fast.compute_dtype``; pass ``compute_dtype=jnp.float16`` to
-  get loss scaling on a CPU.
-
-  Args:
-    fun: the float32 function to run in mixed precision (a model's apply or
-      loss function).
-    optimizer: the bare optax transformation to wrap (not one that already
-      holds a loss scale: its ``init`` would raise).
-    compute_dtype: the half dtype (default: :func:`default_half_dtype`).
-    **loss_scale_kwargs: passed to :func:`dynamic_loss_scale`.
-
-  Returns:
-    ``(fast, tx)``: ``fast = autocast(fun, compute_dtype=...)``; with float16,
-    ``tx = dynamic_loss_scale(optimizer, **loss_scale_kwargs)``; with
-    bfloat16, ``optimizer`` wrapped in a :class:`NoOpLossScale` (the same
-    code path, scale 1).
-  """
-  fast = autocast(fun, compute_dtype=compute_dtype)
-  half = fast.compute_dtype
-  if half == jnp.float16:
-    tx = _transform.dynamic_loss_scale(optimizer, **loss_scale_kwargs)
-  elif loss_scale_kwargs:
-    raise ValueError(
-      f"Loss-scale arguments {sorted(loss_scale_kwargs)} given, but {half.name} "
-      "does not need loss scaling."
-    )
-  else:
-    tx = _transform.loss_scale_transformation(optimizer, _config.NOOP_CONFIG)
-  chosen = (
-    "given" if compute_dtype is not None else f"the {jax.default_backend()} default"
-  )
-  _LOG.info(
-    "enable_mixed_precision: compute dtype %s (%s), %s.",
-    half.name,
-    chosen,
-    "dynamic loss scaling" if half == jnp.float16 else "no loss scaling",
-  )
-  return fast, tx
