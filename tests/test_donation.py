@@ -5,10 +5,13 @@ state leaf is the very buffer of a parameter ("Attempt to donate the same
 buffer twice"): nothing that ``init`` returns may alias its input.
 """
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+import versions
 
 import optax_lossscale as ols
 
@@ -49,6 +52,8 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_donated_step_runs(name, dtype):
+  if versions.JAX < (0, 10):  # older XLAs may not reuse some donated buffers
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
   tx = OPTIMIZERS[name]()
   params = {"w": jnp.ones((4, 3), dtype), "b": jnp.zeros((3,), dtype)}
   state = tx.init(params)  # eagerly, as training code does

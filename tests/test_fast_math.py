@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import versions
 
 SCRIPT = r"""
 import json
@@ -68,7 +69,7 @@ def test_nonfinite_gradients_are_caught_under_fast_math(flags):
     check=True,
   )
   out = json.loads(proc.stdout.strip().splitlines()[-1])
-  if flags.startswith("--xla_cpu_enable_fast_math=true"):
-    assert out["x - x folded"]  # the flag is in force
+  if flags.startswith("--xla_cpu_enable_fast_math=true") and versions.JAX >= (0, 10):
+    assert out["x - x folded"]  # the flag is in force (older XLAs fold less)
   assert all(out["all_finite right every time"]), out
   assert out["skipped"] == 1 and out["updates"] == [0.0, 0.0, 0.0], out
