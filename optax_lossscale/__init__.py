@@ -17,6 +17,7 @@ from optax_lossscale._core import LossScaleState as LossScaleState
 from optax_lossscale._core import all_finite as all_finite
 from optax_lossscale._core import unscale as unscale
 from optax_lossscale._ema import EmaParamsState as EmaParamsState
+from optax_lossscale._float8 import Float8Matmul as Float8Matmul
 from optax_lossscale._ema import ema_params as ema_params
 from optax_lossscale._ema import finalize_variable_values as finalize_variable_values
 from optax_lossscale._ema import get_ema_params as get_ema_params
@@ -58,6 +59,7 @@ __all__ = (
   "DEFAULT_MAX_SCALE",
   "DEFAULT_MIN_SCALE",
   "DynamicLossScale",
+  "Float8Matmul",
   "EmaParamsState",
   "ExperimentalLossScaleOptimizer",
   "LossScale",

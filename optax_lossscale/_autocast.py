@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _jaxpr, _policy
+from optax_lossscale import _float8, _jaxpr, _policy
 from optax_lossscale._autocast_lists import (
   ALLOW_LIST,
   CLEAR_LIST,
@@ -45,10 +45,18 @@ def _is_float(dtype) -> bool:
 
 
 class _Rules:
-  """The four lists, checked once, and the half dtype."""
+  """The four lists, checked once, the half dtype and the float8 recipe."""
 
-  def __init__(self, half, allow, deny, infer, clear):
+  def __init__(self, half, allow, deny, infer, clear, matmul=None):
     self.half = jnp.dtype(half)
+    self.float8 = _float8.as_recipe(matmul)
+    if _float8.is_float8(self.half):
+      raise ValueError(
+        f"`compute_dtype` cannot be {self.half}: a float8 compute dtype would cast "
+        "every operation to float8. For float8 matmuls, keep a 16-bit compute "
+        "dtype and pass `matmul='float8'` (or an ols.Float8Matmul), e.g. "
+        "autocast(f, compute_dtype=jnp.bfloat16, matmul='float8')."
+      )
     if not _is_float(self.half) or self.half.itemsize >= 4:
       raise ValueError(
         f"`compute_dtype` must be a half-precision float dtype, got {self.half}."
@@ -192,6 +200,15 @@ def _first_order(eqn, invals, rules: _Rules):
     # kept. Otherwise it is the default, and the result is half too.
     if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize <= widest:
       params["preferred_element_type"] = half
+    out_dtype = params.get("preferred_element_type", pet) or half
+    if name == "dot_general" and rules.float8 and len(floating) == 2:
+      # Both operands as they come (float32 parameters are quantised from
+      # float32, not from their half rounding).
+      return [
+        _float8.dot_general(
+          *invals, eqn.params["dimension_numbers"], out_dtype, rules.float8
+        )
+      ]
   elif kind == "deny":
     targets = {i: original[i] for i in floating if _is_float(original[i])}
   else:  # infer and clear: half only if every (non-follower) float input is
@@ -289,6 +306,7 @@ def autocast(
   deny: Iterable[str] = DENY_LIST,
   infer: Iterable[str] = INFER_LIST,
   clear: Iterable[str] = CLEAR_LIST,
+  matmul: str | _float8.Float8Matmul | None = None,
 ) -> Callable[..., Any]:
   """``fun`` evaluated with per-primitive casting to ``compute_dtype``.
 
@@ -307,15 +325,29 @@ def autocast(
   are static; like ``jax.jit``, the result is traced and compiled once per
   input signature.
 
+  With ``matmul="float8"`` (or a :class:`Float8Matmul`), every
+  ``dot_general`` with two floating operands runs in float8 with current
+  per-tensor scaling (forward ``float8_e4m3fn``, output gradient
+  ``float8_e5m2``, float32 accumulation, a ``custom_vjp`` per matmul; see
+  :class:`Float8Matmul`), its result in ``compute_dtype`` (or the wider
+  result type the function asked for). Everything else follows the lists;
+  convolutions stay in ``compute_dtype``. A float8 function can be
+  differentiated in reverse mode (``grad``, ``vjp``), not forward mode
+  (``jvp``).
+
   Args:
     fun: the function, written for float32.
-    compute_dtype: the half dtype (default: :func:`default_half_dtype`).
+    compute_dtype: the half dtype (default: :func:`default_half_dtype`);
+      not a float8 dtype (use ``matmul``).
     allow, deny, infer, clear: primitive names (see the module lists
       ``ALLOW_LIST`` …); pass modified sets to override. A primitive in no
       list runs in float32.
+    matmul: ``None`` (matmuls in ``compute_dtype``), ``"float8"`` or a
+      :class:`Float8Matmul`.
 
   Raises:
-    ValueError: a bad ``compute_dtype``, or a primitive in two lists.
+    ValueError: a bad ``compute_dtype`` or ``matmul``, or a primitive in two
+      lists.
     NotImplementedError: (when called) a higher-order primitive autocast
       cannot rewrite, named in the message.
 
@@ -330,7 +362,7 @@ def autocast(
     [('dot_general', 'float16'), ('exp', 'float32')]
   """
   half = _policy.default_half_dtype() if compute_dtype is None else compute_dtype
-  rules = _Rules(half, allow, deny, infer, clear)
+  rules = _Rules(half, allow, deny, infer, clear, matmul)
 
   def rewritten(static, treedef, *arrays):
     """``fun`` on the array leaves, its jaxpr evaluated by the rules."""
@@ -364,4 +396,5 @@ def autocast(
     return cached(static, treedef, *arrays)
 
   wrapped.compute_dtype = rules.half
+  wrapped.matmul = rules.float8
   return wrapped

@@ -1,0 +1,234 @@
+"""float8 matmuls with current per-tensor scaling: quantise, multiply, rescale.
+
+Loss scaling moves a whole backward pass into float16's range with one
+scale; float8 is narrower still, so each matmul input gets its own scale,
+from its current largest magnitude (amax): ``scale = float8 max / amax``.
+The forward pass quantises both inputs to ``float8_e4m3fn``; the backward
+pass quantises the output gradient to ``float8_e5m2`` (more range, less
+precision) and reuses the saved float8 inputs. Every product accumulates in
+float32 and is rescaled by the inverse scales.
+
+The spelling is the one XLA's GPU backend turns into one cuBLASLt float8
+GEMM on Hopper (``gemm_rewriter``): a ``dot_general`` whose operands are
+float8 arrays (e4m3 x e4m3 forward, e5m2 x e4m3 backward), its result in
+bfloat16 or float32, multiplied directly by one scalar (the product of the
+inverse scales), which XLA folds into the GEMM. Elsewhere (CPU) XLA
+converts the operands to float32 and multiplies in float32: the numbers are
+those of float8, the speed is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["Float8Matmul", "as_recipe", "current_scale", "dot_general", "quantize"]
+
+#: Scales are clamped to at most this (2**63), so that the product of two
+#: inverse scales is a normal float32 (>= 2**-126).
+MAX_SCALE = 2.0**63
+
+_FLOAT8 = tuple(
+  jnp.dtype(getattr(jnp, name))
+  for name in (
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3",
+    "float8_e3m4",
+    "float8_e8m0fnu",
+  )
+  if hasattr(jnp, name)
+)
+
+
+def is_float8(dtype: Any) -> bool:
+  """Whether ``dtype`` is one of JAX's 8-bit float dtypes."""
+  try:
+    return jnp.dtype(dtype) in _FLOAT8
+  except TypeError:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Matmul:
+  """How :func:`~optax_lossscale.autocast` runs matmuls in float8.
+
+  Each ``dot_general`` with floating operands becomes a float8 matmul with
+  current per-tensor scaling: both inputs are quantised to
+  ``forward_dtype`` with ``scale = max(forward_dtype) / amax``, multiplied
+  with float32 accumulation and rescaled; in the backward pass the output
+  gradient is quantised to ``backward_dtype`` and multiplied with the saved
+  float8 inputs. An amax of zero or one that is not finite gives scale 1: a
+  tensor that is not finite stays not finite (its gradients are too, and a
+  loss scale skips the step). ``matmul="float8"`` is ``Float8Matmul()``.
+
+  Attributes:
+    forward_dtype: the dtype of the forward inputs (and the saved ones).
+    backward_dtype: the dtype of the output gradient.
+    power_of_two: round each scale down to a power of two, so scaling and
+      rescaling are exact (the quantisation keeps one bit less headroom).
+  """
+
+  forward_dtype: Any = jnp.float8_e4m3fn
+  backward_dtype: Any = jnp.float8_e5m2
+  power_of_two: bool = False
+
+  def __post_init__(self):
+    for field in ("forward_dtype", "backward_dtype"):
+      value = getattr(self, field)
+      if not is_float8(value):
+        raise ValueError(f"`{field}` must be a float8 dtype, got {value!r}.")
+      object.__setattr__(self, field, jnp.dtype(value))
+    if not isinstance(self.power_of_two, (bool, np.bool_)):
+      raise ValueError(f"`power_of_two` must be a bool, got {self.power_of_two!r}.")
+
+
+def as_recipe(matmul: Any) -> Float8Matmul | None:
+  """``autocast``'s ``matmul`` argument as a recipe (``None``: no float8)."""
+  if matmul is None or isinstance(matmul, Float8Matmul):
+    return matmul
+  if isinstance(matmul, str) and matmul == "float8":
+    return Float8Matmul()
+  raise ValueError(
+    f"`matmul` must be None, 'float8' or an ols.Float8Matmul, got {matmul!r}."
+  )
+
+
+def current_scale(amax: jax.Array, dtype: Any, power_of_two: bool = False) -> jax.Array:
+  """The float32 scale that maps ``amax`` to ``dtype``'s largest value.
+
+  ``max(dtype) / amax``, clamped to at most 2**63; 1 where ``amax`` is zero
+  or not finite; with ``power_of_two``, the largest power of two not above.
+  """
+  amax = jnp.asarray(amax, jnp.float32)
+  fmax = jnp.float32(jnp.finfo(dtype).max)
+  usable = (amax > 0) & jnp.isfinite(amax)
+  scale = jnp.where(usable, fmax / jnp.where(usable, amax, 1), 1)
+  scale = jnp.minimum(scale, jnp.float32(MAX_SCALE))
+  if power_of_two:
+    mantissa, exponent = jnp.frexp(scale)  # scale = mantissa * 2**exponent
+    del mantissa
+    scale = jnp.ldexp(jnp.float32(1), exponent - 1)
+  return scale
+
+
+def quantize(x: jax.Array, dtype: Any, power_of_two: bool = False):
+  """``x`` in float8 with its current per-tensor scale: ``(q, 1 / scale)``.
+
+  ``q = float8(x * scale)`` approximates ``x * scale``; ``q * (1 / scale)``
+  approximates ``x``. No clipping: ``|x| * scale <= max(dtype)`` by
+  construction, and a value that is not finite stays so (``float8_e4m3fn``
+  has no infinity: it becomes NaN).
+  """
+  x32 = x.astype(jnp.float32)
+  scale = current_scale(jnp.max(jnp.abs(x32)), dtype, power_of_two)
+  return (x32 * scale).astype(dtype), 1 / scale
+
+
+def _product_dtype(out_dtype) -> jnp.dtype:
+  """The matmul's result type: ``out_dtype`` if it has float32's range.
+
+  The unscaled float8 product (up to ``max**2`` times the contraction
+  length) overflows float16, so a float16 result is computed in float32 and
+  converted after the rescaling.
+  """
+  out_dtype = jnp.dtype(out_dtype)
+  return out_dtype if jnp.finfo(out_dtype).maxexp >= 128 else jnp.dtype(jnp.float32)
+
+
+def _scaled_dot(a, b, dimension_numbers, inverse_scale, out_dtype):
+  """``dot_general(a, b) * inverse_scale`` of float8 ``a``, ``b``, in ``out_dtype``.
+
+  The product accumulates in float32 (XLA's float8 matmuls always do) and
+  comes out in ``out_dtype``; the one scalar multiplication directly on the
+  result is what XLA's GPU backend folds into the cuBLASLt float8 GEMM.
+  """
+  pet = _product_dtype(out_dtype)
+  out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet)
+  return (out * inverse_scale.astype(pet)).astype(out_dtype)
+
+
+def _transpose(g, other, dimension_numbers, shapes, wrt: int, scale, out_dtype):
+  """The cotangent of operand ``wrt`` (0: lhs, 1: rhs) of a ``dot_general``.
+
+  ``g`` is the output's cotangent and ``other`` the other operand. The
+  output of ``dot_general`` is laid out as (batch, lhs free, rhs free);
+  contracting ``g``'s free axes of ``other`` with ``other``'s free axes
+  leaves (batch, free axes of ``wrt``, contracting axes of ``other`` in
+  ascending order), which a transpose puts in operand ``wrt``'s order.
+  """
+  (lc, rc), (lb, rb) = ((list(c) for c in dn) for dn in dimension_numbers)
+  free = [
+    [d for d in range(len(shape)) if d not in c and d not in b]
+    for shape, c, b in zip(shapes, (lc, rc), (lb, rb), strict=True)
+  ]
+  batch = list(range(len(lb)))
+  g_free = [
+    list(range(len(lb), len(lb) + len(free[0]))),
+    list(range(len(lb) + len(free[0]), len(lb) + len(free[0]) + len(free[1]))),
+  ]
+  contract = (lc, rc)
+  mine, theirs = wrt, 1 - wrt
+  out = _scaled_dot(
+    g,
+    other,
+    ((g_free[theirs], free[theirs]), (batch, (lb, rb)[theirs])),
+    scale,
+    out_dtype,
+  )
+  # Operand `mine`'s axis for each axis of `out`.
+  order = [
+    *(lb, rb)[mine],
+    *free[mine],
+    *(contract[mine][contract[theirs].index(d)] for d in sorted(contract[theirs])),
+  ]
+  return lax.transpose(out, tuple(np.argsort(order)))
+
+
+def dot_general(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers: Any,
+  out_dtype: Any,
+  recipe: Float8Matmul,
+) -> jax.Array:
+  """``lax.dot_general(lhs, rhs, dimension_numbers)`` as a float8 matmul.
+
+  Forward: both operands quantised to ``recipe.forward_dtype`` with their
+  current scales (:func:`quantize`), multiplied with float32 accumulation,
+  rescaled, cast to ``out_dtype``. Backward (a ``custom_vjp``): the output
+  gradient quantised to ``recipe.backward_dtype`` and multiplied with the
+  saved float8 operands, each product rescaled; the cotangents have the
+  operands' dtypes.
+  """
+  pow2 = recipe.power_of_two
+  shapes = (lhs.shape, rhs.shape)
+  dtypes = (lhs.dtype, rhs.dtype)
+
+  def forward(a, b):
+    qa, ia = quantize(a, recipe.forward_dtype, pow2)
+    qb, ib = quantize(b, recipe.forward_dtype, pow2)
+    out = _scaled_dot(qa, qb, dimension_numbers, ia * ib, out_dtype)
+    return out, (qa, ia, qb, ib)
+
+  @jax.custom_vjp
+  def product(a, b):
+    return forward(a, b)[0]
+
+  def backward(saved, g):
+    qa, ia, qb, ib = saved
+    qg, ig = quantize(g, recipe.backward_dtype, pow2)
+    da = _transpose(qg, qb, dimension_numbers, shapes, 0, ig * ib, dtypes[0])
+    db = _transpose(qg, qa, dimension_numbers, shapes, 1, ig * ia, dtypes[1])
+    return da, db
+
+  product.defvjp(forward, backward)
+  return product(lhs, rhs)

@@ -1,0 +1,239 @@
+"""float8 matmuls in autocast: error bounds, the rewritten jaxpr, edge cases.
+
+The bounds come from the float8 formats. Rounding ``x * scale`` to a format
+with ``m`` mantissa bits errs by at most ``u = 2**-(m + 1)`` relative
+(e4m3: 1/16, e5m2: 1/8) where the result is normal, and by at most half the
+smallest subnormal ``d`` below that; dividing by the scale back, one entry's
+reconstruction errs by ``E(x) = u |x| + d / scale`` (plus float32 rounding
+of the scale, ``3 * 2**-24`` relative). A product of two reconstructed
+operands accumulated in float32 then errs, entry by entry, by at most
+``E(a) |b| + |a| E(b) + E(a) E(b)`` summed over the contraction, plus
+float32 accumulation (``(K + 3) * 2**-24`` relative to ``|a| |b|``). That
+is the bound the single-matmul tests assert, forward (e4m3 x e4m3) and
+backward (e5m2 gradient x e4m3 saved operand).
+
+For whole models the worst case compounds into something useless, so the
+model tests use the typical error instead: with rounding errors of mean zero
+and variance ``u**2 / 3`` (uniform within half a unit), a matmul whose terms
+have random signs (as at initialisation) has a relative root-mean-square
+error of ``sqrt(2 / 3) u`` forward and ``sqrt((u_e5m2**2 + u_e4m3**2) / 3)``
+backward; independent errors of ``n`` matmuls add in quadrature, and the
+assertion allows three times that.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import optax_lossscale as ols
+from optax_lossscale import _float8
+
+E4M3 = jnp.dtype(jnp.float8_e4m3fn)
+E5M2 = jnp.dtype(jnp.float8_e5m2)
+F32_ROUND = 2.0**-24
+
+
+def _u(dtype):
+  return float(jnp.finfo(dtype).eps) / 2
+
+
+def _entry_error(x, dtype):
+  """``E(x)``: the largest reconstruction error of each entry of ``x``."""
+  x = jnp.abs(x.astype(jnp.float32))
+  scale = _float8.current_scale(jnp.max(x), dtype)
+  d = float(jnp.finfo(dtype).smallest_subnormal) / 2
+  return (_u(dtype) + 3 * F32_ROUND) * x + d / scale
+
+
+def _bound(bilinear, a, b, a_dtype, b_dtype, length):
+  """The entrywise bound on ``bilinear(a, b)``'s error from quantising both."""
+  ea, eb = _entry_error(a, a_dtype), _entry_error(b, b_dtype)
+  abs_a, abs_b = jnp.abs(a), jnp.abs(b)
+  gamma = (length + 3) * F32_ROUND
+  return (
+    bilinear(ea, abs_b)
+    + bilinear(abs_a, eb)
+    + bilinear(ea, eb)
+    + gamma * bilinear(abs_a + ea, abs_b + eb)
+  )
+
+
+# (lhs shape, rhs shape, dimension numbers): a Dense layer, attention's
+# scores (batch dimensions), and contractions over several, permuted axes.
+DOTS = {
+  "dense": ((4, 6, 32), (32, 24), (((2,), (0,)), ((), ()))),
+  "attention": ((2, 5, 3, 8), (2, 7, 3, 8), (((3,), (3,)), ((0, 2), (0, 2)))),
+  "two contractions": ((3, 7, 2), (2, 3, 5), (((2, 0), (0, 1)), ((), ()))),
+  "batch last": ((6, 2, 5), (5, 6, 4), (((2,), (0,)), ((0,), (1,)))),
+}
+
+
+def _operand(rng, shape):
+  """Normal entries spread over four decades: some quantise to subnormals."""
+  x = rng.normal(size=shape) * 10.0 ** rng.uniform(-4, 0, size=shape)
+  return jnp.asarray(x, jnp.float32)
+
+
+@pytest.mark.parametrize("name", DOTS)
+def test_one_matmul_within_the_float8_bound_forward_and_backward(name):
+  sa, sb, dn = DOTS[name]
+  rng = np.random.default_rng(0)
+  a, b = _operand(rng, sa), _operand(rng, sb)
+  exact = lambda a, b: lax.dot_general(a, b, dn, precision="highest")
+  got, vjp = jax.vjp(
+    lambda a, b: _float8.dot_general(a, b, dn, jnp.float32, _float8.Float8Matmul()),
+    a,
+    b,
+  )
+  want, exact_vjp = jax.vjp(exact, a, b)
+  length = max(int(np.prod(s)) for s in (sa, sb))
+  bound = _bound(exact, a, b, E4M3, E4M3, length)
+  err = jnp.abs(got - want)
+  assert bool(jnp.all(err <= bound)), float(jnp.max(err - bound))
+  assert float(jnp.max(err)) > 0  # it was quantised
+  # The bound is not vacuous: for a typical entry about 2u + u**2 = 0.13 of
+  # |a| |b| (more where the subnormal term dominates a short contraction).
+  assert float(jnp.median(bound / exact(jnp.abs(a), jnp.abs(b)))) < 0.15
+
+  g = _operand(rng, got.shape)
+  da, db = vjp(g)
+  want_da, want_db = exact_vjp(g)
+  # Cotangents are bilinear in (g, the other operand): the same bound with
+  # the e5m2 gradient and the saved e4m3 operand.
+  lhs_t = lambda g, b: jax.vjp(lambda x: exact(x, b), a)[1](g)[0]
+  rhs_t = lambda g, a: jax.vjp(lambda y: exact(a, y), b)[1](g)[0]
+  bound_a = _bound(lhs_t, g, b, E5M2, E4M3, length)
+  bound_b = _bound(rhs_t, g, a, E5M2, E4M3, length)
+  assert da.shape == a.shape and db.shape == b.shape
+  assert bool(jnp.all(jnp.abs(da - want_da) <= bound_a))
+  assert bool(jnp.all(jnp.abs(db - want_db) <= bound_b))
+
+
+@pytest.mark.parametrize("name", DOTS)
+def test_power_of_two_scales_are_exact_on_representable_values(name):
+  # Small integers are exact in e4m3 and e5m2 after a power-of-two scale,
+  # so the float8 product and its gradients equal float32's exactly.
+  sa, sb, dn = DOTS[name]
+  rng = np.random.default_rng(1)
+  a, b = (jnp.asarray(rng.integers(-2, 3, s), jnp.float32) for s in (sa, sb))
+  recipe = ols.Float8Matmul(power_of_two=True)
+  f = lambda a, b: _float8.dot_general(a, b, dn, jnp.float32, recipe)
+  out, vjp = jax.vjp(f, a, b)
+  want, exact_vjp = jax.vjp(lambda a, b: lax.dot_general(a, b, dn), a, b)
+  g = jnp.asarray(rng.integers(-2, 3, out.shape), jnp.float32)
+  np.testing.assert_array_equal(out, want)
+  for got, ref in zip(vjp(g), exact_vjp(g), strict=True):
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_bfloat16_results_add_only_bfloat16_rounding():
+  sa, sb, dn = DOTS["dense"]
+  rng = np.random.default_rng(2)
+  a, b = _operand(rng, sa), _operand(rng, sb)
+  f = lambda a, b: _float8.dot_general(a, b, dn, jnp.bfloat16, ols.Float8Matmul())
+  exact = lambda a, b: lax.dot_general(a, b, dn, precision="highest")
+  got = f(a, b)
+  assert got.dtype == jnp.bfloat16
+  # On top of the float32 bound: the result, the scale and their product
+  # each rounded to bfloat16 (u = 2**-8), at most (1 + u)**3 - 1 relative.
+  u = _u(jnp.bfloat16)
+  mag = exact(jnp.abs(a), jnp.abs(b))
+  bound = _bound(exact, a, b, E4M3, E4M3, 32) + ((1 + u) ** 3 - 1) * 1.2 * mag
+  assert bool(jnp.all(jnp.abs(got.astype(jnp.float32) - exact(a, b)) <= bound))
+
+
+def test_scales_of_edge_amaxes():
+  fmax = float(jnp.finfo(E4M3).max)
+  amax = jnp.array([0.0, jnp.inf, jnp.nan, -jnp.inf, 1e-30, 2.0, 1e38], jnp.float32)
+  scale = _float8.current_scale(amax, E4M3)
+  assert bool(jnp.all(jnp.isfinite(scale) & (scale > 0)))
+  np.testing.assert_array_equal(scale[:4], 1.0)  # zero or not finite: 1
+  assert float(scale[4]) == _float8.MAX_SCALE  # clamped
+  np.testing.assert_allclose(scale[5:], fmax / amax[5:], rtol=1e-7)
+  # The product of two inverse scales is a normal float32.
+  assert float(1 / scale[4] ** 2) >= float(jnp.finfo(jnp.float32).tiny)
+  pow2 = _float8.current_scale(amax, E4M3, power_of_two=True)
+  mantissa, _ = np.frexp(np.asarray(pow2))
+  np.testing.assert_array_equal(mantissa, 0.5)  # powers of two
+  assert bool(jnp.all((pow2 <= scale) & (pow2 > scale / 2)))
+
+
+def _dense_loss(w, x):
+  return jnp.sum(jnp.tanh(x @ w) ** 2)
+
+
+def test_an_all_zero_operand_gives_zeros_not_nans():
+  w = jnp.ones((8, 4))
+  f = ols.autocast(_dense_loss, compute_dtype=jnp.bfloat16, matmul="float8")
+  value, grad = jax.value_and_grad(f)(w, jnp.zeros((3, 8)))
+  assert float(value) == 0.0
+  np.testing.assert_array_equal(grad, 0.0)
+  # And an all-zero output gradient (a loss that does not depend on it).
+  g = jax.grad(lambda w, x: 0.0 * f(w, x))(w, jnp.ones((3, 8)))
+  np.testing.assert_array_equal(g, 0.0)
+
+
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_a_non_finite_entry_reaches_the_gradients_and_the_step_is_skipped(bad):
+  x = jnp.ones((3, 8)).at[1, 2].set(bad)
+  w = jnp.full((8, 4), 0.1)
+  f = ols.autocast(_dense_loss, compute_dtype=jnp.bfloat16, matmul="float8")
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(w)
+  loss, grads = jax.jit(ols.value_and_grad(f))(state, w, x)
+  assert not bool(jnp.isfinite(loss))
+  assert not bool(jnp.all(jnp.isfinite(grads)))
+  updates, state = jax.jit(tx.update)(grads, state, w)
+  np.testing.assert_array_equal(optax.apply_updates(w, updates), w)
+  assert bool(ols.diagnostics(state)["last_step_skipped"])
+
+
+def test_one_huge_entry_keeps_everything_finite():
+  rng = np.random.default_rng(3)
+  x = _operand(rng, (4, 16)).at[0, 0].set(1e30)
+  w = _operand(rng, (16, 8))
+  f = lambda x, w: _float8.dot_general(
+    x, w, (((1,), (0,)), ((), ())), jnp.float32, ols.Float8Matmul()
+  )
+  out, vjp = jax.vjp(f, x, w)
+  dx, dw = vjp(jnp.ones_like(out))
+  assert all(bool(jnp.all(jnp.isfinite(t))) for t in (out, dx, dw))
+  # Entries far below the huge one are lost (they quantise to 0), within
+  # the bound; the huge one's row is right to e4m3 precision.
+  exact = lambda a, b: lax.dot_general(a, b, (((1,), (0,)), ((), ())))
+  bound = _bound(exact, x, w, E4M3, E4M3, 16)
+  assert bool(jnp.all(jnp.abs(out - exact(x, w)) <= bound))
+  np.testing.assert_allclose(out[0], exact(x, w)[0], rtol=0.15)
+
+
+def test_a_float8_compute_dtype_points_to_the_matmul_option():
+  for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+    with pytest.raises(ValueError, match="matmul='float8'"):
+      ols.autocast(_dense_loss, compute_dtype=dtype)
+  for bad in ("fp8", "float16", 8, True):
+    with pytest.raises(ValueError, match="`matmul`"):
+      ols.autocast(_dense_loss, compute_dtype=jnp.bfloat16, matmul=bad)
+  with pytest.raises(ValueError, match="forward_dtype"):
+    ols.Float8Matmul(forward_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="backward_dtype"):
+    ols.Float8Matmul(backward_dtype="float32")
+  with pytest.raises(ValueError, match="power_of_two"):
+    ols.Float8Matmul(power_of_two="yes")
+
+
+def test_jit_grad_and_vmap_agree():
+  rng = np.random.default_rng(4)
+  w, x = _operand(rng, (8, 4)), _operand(rng, (5, 8))
+  f = ols.autocast(_dense_loss, compute_dtype=jnp.bfloat16, matmul="float8")
+  assert f.matmul == ols.Float8Matmul()
+  grad = jax.grad(f)(w, x)
+  np.testing.assert_array_equal(jax.jit(jax.grad(f))(w, x), grad)
+  # vmap: each example is its own call, with its own scales.
+  per_example = jax.vmap(jax.grad(f), in_axes=(None, 0))(w, x[:, None])
+  for i in range(x.shape[0]):
+    np.testing.assert_array_equal(per_example[i], jax.grad(f)(w, x[i : i + 1]))
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(lambda w: f(w, x), (w,), (w,))
