@@ -129,6 +129,12 @@ class Policy:
         raise ValueError(f"`{field}` must be a dtype, got {value!r}.") from None
       if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"`{field}` must be a floating dtype, got {dtype.name}.")
+      if dtype.itemsize == 1:
+        raise ValueError(
+          f"`{field}` cannot be {dtype.name}: float8 is for matmul inputs only, "
+          "with a scale per tensor; use autocast(f, compute_dtype=jnp.bfloat16, "
+          "matmul='float8')."
+        )
       object.__setattr__(self, field, dtype)
 
   @classmethod

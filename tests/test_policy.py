@@ -73,6 +73,12 @@ def test_bad_dtypes():
     ols.get_policy(3)
 
 
+@pytest.mark.parametrize("field", ["param_dtype", "compute_dtype", "output_dtype"])
+def test_float8_is_for_matmuls_only(field):
+  with pytest.raises(ValueError, match=f"`{field}`.*matmul='float8'"):
+    ols.Policy(**{field: jnp.float8_e4m3fn})
+
+
 def test_casts_touch_only_floating_arrays():
   policy = ols.Policy.from_string("p=f32,c=f16,o=bf16")
   tree = {
