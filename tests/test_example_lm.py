@@ -58,3 +58,42 @@ def test_train_lm_example(tmp_path):
   assert "before that step's adjustment" in stdout
   png = tmp_path / "lm_loss_scale.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+F8_ROW = re.compile(
+  r"^(float32|bfloat16|float8)\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)\s+([\d.]+)%"
+  r"\s+([+-][\d.]+)\s+(\d+)\s+([\d.]+)$"
+)
+
+
+@versions.examples
+@pytest.mark.slow
+def test_train_lm_float8_example(tmp_path):
+  stdout = run_example(
+    "train_lm_float8.py",
+    *("--steps", 40, "--layers", 1, "--width", 32, "--heads", 2),
+    *("--context", 32, "--batch", 16, "--eval-sequences", 8, "--out", tmp_path),
+  )
+  rows = {}
+  for line in stdout.splitlines():
+    m = F8_ROW.match(line)
+    if m:
+      val, _, gap, acc, points, skipped, ms = m.groups()[1:]
+      rows[m.group(1)] = dict(
+        val=float(val),
+        gap=float(gap),
+        acc=float(acc),
+        points=float(points),
+        skipped=int(skipped),
+        ms=float(ms),
+      )
+  assert set(rows) == {"float32", "bfloat16", "float8"}, stdout
+  for name, r in rows.items():
+    assert math.isfinite(r["val"]) and 0 < r["val"] < math.log(256), (name, r)
+    assert 0 < r["acc"] <= 100 and r["ms"] > 0, (name, r)
+    # The gaps are what the table says they are: against float32's row.
+    assert r["gap"] == pytest.approx(r["val"] - rows["float32"]["val"], abs=2e-4)
+    assert r["points"] == pytest.approx(r["acc"] - rows["float32"]["acc"], abs=0.02)
+  assert "float8 is emulated on a CPU" in stdout
+  png = tmp_path / "lm_float8.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
