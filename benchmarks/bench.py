@@ -66,7 +66,7 @@ def bytes_accessed(compiled):
   return float(cost["bytes accessed"])
 
 
-def measure_many(entries, calls, rounds=3, warmup=3, seed=0):
+def measure_many(entries, calls, rounds=3, warmup=3, seed=0, keep_compiled=False):
   """Compiles each ``(step, carry, grads)`` (``carry`` donated) and times them.
 
   The steps are called in turn, one call each, in a new random order every
@@ -80,7 +80,8 @@ def measure_many(entries, calls, rounds=3, warmup=3, seed=0):
   ``warmup + calls`` such turns; a step's time is the smallest of its
   ``rounds`` round medians (over the last ``calls`` calls): noise on a
   shared machine only ever adds time. ``carry`` is copied first: donation
-  deletes the buffers it is given.
+  deletes the buffers it is given. ``keep_compiled`` keeps each compiled
+  program in the result (key ``compiled``), to inspect its HLO.
   """
   out = []
   for step, carry, grads in entries:
@@ -120,7 +121,9 @@ def measure_many(entries, calls, rounds=3, warmup=3, seed=0):
       r["round_medians_s"].append(statistics.median(ts))
   for r in out:
     r["median_s"] = min(r["round_medians_s"])
-    del r["compiled"], r["grads"]
+    del r["grads"]
+    if not keep_compiled:
+      del r["compiled"]
   return out
 
 
@@ -312,20 +315,24 @@ def ratio(a, b):
   return a / b
 
 
-def headline(calls):
-  params = layers()
+def headline(calls, n_layers=16, width=512, steps=None, rounds=3):
+  """The update-step table; ``steps`` (default ``UPDATE_STEPS``) names the rows.
+
+  The first step is the baseline of the ratios.
+  """
+  steps = UPDATE_STEPS if steps is None else steps
+  params = layers(n_layers, width)
   grads = grads_like(params)
   n = sum(x.size for x in jax.tree.leaves(params))
   measured = measure_many(
-    [make(params, grads) for make in UPDATE_STEPS.values()], calls, rounds=3
+    [make(params, grads) for make in steps.values()], calls, rounds=rounds
   )
   rows = []
-  for name, r in zip(UPDATE_STEPS, measured, strict=True):
+  for name, r in zip(steps, measured, strict=True):
     r.pop("carry")
     rows.append((name, r))
     print(f"  {name}: {r['median_s'] * 1e3:.2f} ms", flush=True)
   base = rows[0][1]
-  keras_base = dict(rows)["Keras 3 Adam (no loss scaling)"]
   lines = [
     f"Update step (update + apply, buffers donated), {n / 1e6:.1f}M float32 "
     f"parameters in {len(jax.tree.leaves(params))} leaves; ratios to bare "
@@ -340,13 +347,15 @@ def headline(calls):
       f"| {r['median_s'] * 1e3:.2f} ms | {ratio(r['median_s'], base['median_s']):.3f} "
       f"| {r['temp_bytes'] / 1e6:.2f} MB |"
     )
-  k = dict(rows)["Keras 3 LossScaleOptimizer(Adam)"]
-  lines += [
-    "",
-    f"Keras' loss scaling over Keras' own Adam: bytes "
-    f"{ratio(k['bytes'], keras_base['bytes']):.3f}, time "
-    f"{ratio(k['median_s'], keras_base['median_s']):.3f}.",
-  ]
+  k = dict(rows).get("Keras 3 LossScaleOptimizer(Adam)")
+  keras_base = dict(rows).get("Keras 3 Adam (no loss scaling)")
+  if k and keras_base:
+    lines += [
+      "",
+      f"Keras' loss scaling over Keras' own Adam: bytes "
+      f"{ratio(k['bytes'], keras_base['bytes']):.3f}, time "
+      f"{ratio(k['median_s'], keras_base['median_s']):.3f}.",
+    ]
   return dict(rows), lines
 
 
@@ -475,8 +484,12 @@ def plot_sweep(results, path):
   plt.close(fig)
 
 
-def train_cases():
-  """The train-step workloads: ``{name: (flax model, inputs, labels)}``."""
+def train_cases(mlp_width=1024, mlp_batch=256, d_model=256, seq=64, batch=16):
+  """The train-step workloads: ``{name: (flax model, inputs, labels)}``.
+
+  The defaults are the report's sizes; the transformer's MLP is 4 x
+  ``d_model`` wide.
+  """
   import flax.linen as nn
 
   class MLP(nn.Module):
@@ -484,7 +497,7 @@ def train_cases():
     def __call__(self, x):
       x = x.astype(jnp.float16)
       for _ in range(3):
-        x = nn.relu(nn.Dense(1024, dtype=jnp.float16, param_dtype=jnp.float32)(x))
+        x = nn.relu(nn.Dense(mlp_width, dtype=jnp.float16, param_dtype=jnp.float32)(x))
       return nn.Dense(10, dtype=jnp.float16, param_dtype=jnp.float32)(x)
 
   class Block(nn.Module):
@@ -494,29 +507,30 @@ def train_cases():
       h = nn.LayerNorm(**kw)(x)
       x = x + nn.SelfAttention(num_heads=4, **kw)(h)
       h = nn.LayerNorm(**kw)(x)
-      h = nn.Dense(1024, **kw)(h)
-      return x + nn.Dense(256, **kw)(nn.gelu(h))
+      h = nn.Dense(4 * d_model, **kw)(h)
+      return x + nn.Dense(d_model, **kw)(nn.gelu(h))
 
   class Transformer(nn.Module):
     @nn.compact
     def __call__(self, tokens):
       kw = {"dtype": jnp.float16, "param_dtype": jnp.float32}
-      x = nn.Embed(512, 256, **kw)(tokens)
+      x = nn.Embed(512, d_model, **kw)(tokens)
       for _ in range(2):
         x = Block()(x)
       return nn.Dense(512, **kw)(nn.LayerNorm(**kw)(x))
 
   rng = np.random.default_rng(0)
+  w = mlp_width
   cases = {
-    "MLP 784-1024-1024-1024-10, batch 256": (
+    f"MLP 784-{w}-{w}-{w}-10, batch {mlp_batch}": (
       MLP(),
-      rng.normal(size=(256, 784)).astype(np.float32),
-      rng.integers(0, 10, 256).astype(np.int32),
+      rng.normal(size=(mlp_batch, 784)).astype(np.float32),
+      rng.integers(0, 10, mlp_batch).astype(np.int32),
     ),
-    "transformer 2x(d=256, 4 heads), seq 64, batch 16": (
+    f"transformer 2x(d={d_model}, 4 heads), seq {seq}, batch {batch}": (
       Transformer(),
-      rng.integers(0, 512, (16, 64)).astype(np.int32),
-      rng.integers(0, 512, (16, 64)).astype(np.int32),
+      rng.integers(0, 512, (batch, seq)).astype(np.int32),
+      rng.integers(0, 512, (batch, seq)).astype(np.int32),
     ),
   }
   return cases
@@ -535,6 +549,11 @@ def train_entries(model, x, y, check=ols.all_finite):
     logits = model.apply({"params": p}, x).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+  return loss_entries(loss_fn, params, (jnp.asarray(x), jnp.asarray(y)), check)
+
+
+def loss_entries(loss_fn, params, batch, check=ols.all_finite):
+  """:func:`train_entries` for any ``loss_fn(params, *batch)`` and ``params``."""
   plain_tx = optax.adam(LR)
   scaled_tx = ols.dynamic_loss_scale(optax.adam(LR))
 
@@ -557,7 +576,6 @@ def train_entries(model, x, y, check=ols.all_finite):
     u, s = scaled_tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  batch = (jnp.asarray(x), jnp.asarray(y))
   carry = (params, plain_tx.init(params))
   read = jax.eval_shape(plain_and_read, carry, batch)[2]
   return {
@@ -571,8 +589,9 @@ def train_entries(model, x, y, check=ols.all_finite):
   }
 
 
-def train_steps(calls):
-  cases = train_cases()
+def train_steps(calls, cases=None, rounds=3):
+  """The train-step table of ``cases`` (default :func:`train_cases`)."""
+  cases = train_cases() if cases is None else cases
   lines = [
     "| model | no loss scaling | + an unused finite check "
     "| dynamic_loss_scale | overhead | unused check's overhead "
@@ -585,7 +604,7 @@ def train_steps(calls):
     # A second compiled instance of the unscaled step: the row's noise.
     plain_again = train_entries(model, x, y)["plain"]
     b, again, f, o = measure_many(
-      [e["plain"], plain_again, e["unused_check"], e["scaled"]], calls, rounds=3
+      [e["plain"], plain_again, e["unused_check"], e["scaled"]], calls, rounds=rounds
     )
     for r in (b, again, f, o):
       r.pop("carry")
