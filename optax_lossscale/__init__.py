@@ -17,10 +17,10 @@ from optax_lossscale._core import LossScaleState as LossScaleState
 from optax_lossscale._core import all_finite as all_finite
 from optax_lossscale._core import unscale as unscale
 from optax_lossscale._ema import EmaParamsState as EmaParamsState
-from optax_lossscale._float8 import Float8Matmul as Float8Matmul
 from optax_lossscale._ema import ema_params as ema_params
 from optax_lossscale._ema import finalize_variable_values as finalize_variable_values
 from optax_lossscale._ema import get_ema_params as get_ema_params
+from optax_lossscale._float8 import Float8Matmul as Float8Matmul
 from optax_lossscale._grad import scale_loss as scale_loss
 from optax_lossscale._grad import value_and_grad as value_and_grad
 from optax_lossscale._keras import (
@@ -36,6 +36,7 @@ from optax_lossscale._mixed_precision import (
 )
 from optax_lossscale._optimizers import get_learning_rate as get_learning_rate
 from optax_lossscale._optimizers import set_learning_rate as set_learning_rate
+from optax_lossscale._overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._policy import Policy as Policy
 from optax_lossscale._policy import default_half_dtype as default_half_dtype
 from optax_lossscale._policy import get_policy as get_policy
@@ -72,6 +73,7 @@ __all__ = (
   "SkipFallbackWarning",
   "StaticLossScale",
   "all_finite",
+  "apply_overwrites",
   "autocast",
   "check_skipped_steps",
   "default_half_dtype",

@@ -147,11 +147,14 @@ def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Para
 
   Returns:
     The averaged parameters, cast to the dtypes of ``params``; leaves that are
-    not floating arrays are taken from ``params``.
+    not floating arrays, and leaves the average does not cover (masked, as
+    Flax's float8 overwrite leaves are), are taken from ``params``.
   """
   ema = get_ema_params(opt_state)
 
   def swap(p, avg):
-    return avg.astype(p.dtype) if _core.is_float_array(p) else p
+    if isinstance(avg, optax.MaskedNode) or not _core.is_float_array(p):
+      return p
+    return avg.astype(p.dtype)
 
   return jax.tree.map(swap, params, ema)

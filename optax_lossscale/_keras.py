@@ -23,6 +23,7 @@ from optax_lossscale import (
   _grad,
   _loss_scale,
   _optimizers,
+  _overwrite,
   _state,
   _transform,
   _validate,
@@ -79,7 +80,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     loss_scale_factor: a fixed extra factor on the loss, divided out of the
       gradients first.
     gradient_accumulation_steps: apply the mean of this many (>= 2) finite
-      micro-batch gradients at once (``optax.MultiSteps`` inside the scale).
+      micro-batch gradients at once (``optax.MultiSteps`` inside the scale);
+      Flax's float8 overwrite leaves get the maximum of their new values.
     min_scale: floor of the dynamic scale.
     max_scale: ceiling of the dynamic scale.
     hysteresis: non-finite steps tolerated before backing off.
@@ -303,11 +305,20 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     return _core.scale_value(scaled, self._loss_scale_factor)
 
   def get_unscaled_gradients(self, grads: Any, state: Any) -> Any:
-    """Gradients of :meth:`scale_loss`'s loss divided back, as ``update`` does."""
-    grads = _core.unscale(grads, _state.get_scale(state))
-    if self._loss_scale_factor is None:
-      return grads
-    return _core.unscale(grads, self._loss_scale_factor)
+    """Gradients of :meth:`scale_loss`'s loss divided back, as ``update`` does.
+
+    Flax's float8 overwrite leaves (new values, not gradients) are returned
+    as they are, as ``update`` takes them.
+    """
+    factors = [_state.get_scale(state), self._loss_scale_factor]
+
+    def unscaled(regular):
+      for factor in factors:
+        if factor is not None:
+          regular = _core.unscale(regular, factor)
+      return regular
+
+    return _overwrite.on_regular_leaves(unscaled, grads, state)
 
   @staticmethod
   def check_finite(grads: Any) -> jax.Array:
@@ -318,7 +329,10 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     """``params`` with the EMA swapped in if ``use_ema``, else ``params``."""
     if not self._config["use_ema"]:
       return params
-    return _ema.finalize_variable_values(params, state)
+    # Flax's float8 overwrite leaves are not averaged: they stay as they are.
+    return _overwrite.on_regular_leaves(
+      lambda p: _ema.finalize_variable_values(p, state), params, state
+    )
 
 
 class ExperimentalLossScaleOptimizer(LossScaleOptimizer):

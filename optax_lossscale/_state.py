@@ -27,6 +27,7 @@ __all__ = [
   "find_loss_scale_state",
   "find_unique",
   "is_loss_scale_state",
+  "is_variable",
   "get_scale",
   "optimizer_state",
   "unwrap",
@@ -123,19 +124,19 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState | LossScale:
     ) from None
 
 
-def _is_variable(x: Any) -> bool:
+def is_variable(x: Any) -> bool:
   """An ``nnx.Variable`` (anything but an array with a ``get_value`` method)."""
   return not _core.is_array(x) and callable(getattr(x, "get_value", None))
 
 
 def unwrap(x: Any) -> Any:
   """``x``, or the array an ``nnx`` variable holds."""
-  return x.get_value() if _is_variable(x) else x
+  return x.get_value() if is_variable(x) else x
 
 
 def unwrap_variables(tree: Any) -> Any:
   """``tree`` with ``nnx`` variables replaced by the arrays they hold."""
-  return jax.tree.map(unwrap, tree, is_leaf=_is_variable)
+  return jax.tree.map(unwrap, tree, is_leaf=is_variable)
 
 
 def counters(opt_state: Any) -> LossScaleState:

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _config, _core, _skip, _state
+from optax_lossscale import _config, _core, _overwrite, _skip, _state
 from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._core import LossScaleState
 from optax_lossscale._loss_scale import LossScale
@@ -99,9 +100,13 @@ def loss_scale_transformation(
   ):
     raise ValueError(f"`inner` must be an optax GradientTransformation, got {inner!r}.")
   inner = optax.with_extra_args_support(inner)
+  # The inner transformation on the other leaves, when the parameters hold
+  # leaves that Flax overwrites with their new value (float8 meta).
+  overwriting = _overwrite.with_overwrites(inner)
 
   def init_fn(params):
-    inner_state = inner.init(params)
+    has_overwrites = _overwrite.overwrite_mask(params) is not None
+    inner_state = (overwriting if has_overwrites else inner).init(params)
     nested = _state.find_all(inner_state, _state.is_loss_scale_state)
     if nested:
       paths = ", ".join(".inner_state" + jax.tree_util.keystr(p) for p, _ in nested)
@@ -125,15 +130,29 @@ def loss_scale_transformation(
         "state produced by another optimizer?"
       )
     _check_grads_match(updates, params)
-    _check_inner_state(inner, state.inner_state, updates, params)
-    grads, finite = check(updates, state.loss_scale, config, axis_name)
+    mask = _overwrite.state_mask(state.inner_state, updates)
+    if mask is None:
+      body = inner
+      _check_inner_state(inner, state.inner_state, updates, params)
+      grads, finite = check(updates, state.loss_scale, config, axis_name)
+    else:
+      # Overwrite leaves: not unscaled, not seen by `inner`, but checked.
+      body = overwriting
+      regular, values = _overwrite.split(updates, mask)
+      regular_params = None if params is None else _overwrite.split(params, mask)[0]
+      _check_inner_state(inner, state.inner_state.inner_state, regular, regular_params)
+      grads, finite = check(regular, state.loss_scale, config, axis_name)
+      if not config.noop:
+        values_finite = _core.reduce_flag(_overwrite.all_finite(values), axis_name)
+        finite = jnp.logical_and(finite, values_finite)
+      grads = _overwrite.merge(grads, values)
     new_state, should_apply = _core.adjust(state, finite, config)
     if config.skip_nonfinite:
       new_updates, new_inner = skip(
-        inner, should_apply, grads, state.inner_state, params, extra_args
+        body, should_apply, grads, state.inner_state, params, extra_args
       )
     else:
-      new_updates, new_inner = inner.update(
+      new_updates, new_inner = body.update(
         grads, state.inner_state, params, **extra_args
       )
     return new_updates, new_state._replace(inner_state=new_inner)
@@ -164,6 +183,12 @@ def with_loss_scale(
 
   The skip is a ``lax.select``, not a ``lax.cond``: no branch and no host
   sync, so it fuses with the inner update.
+
+  Leaves that Flax's float8 layers overwrite with their new value (the
+  collection ``_overwrite_with_gradient``: scales and amax histories) are
+  not unscaled and not given to ``inner``, but checked with the gradients;
+  their updates are zeros and :func:`apply_overwrites` writes their new
+  values (the maximum over an ``optax.MultiSteps`` window inside).
 
   Args:
     inner: the transformation to wrap (``optax.chain(...)`` included).

@@ -16,6 +16,13 @@ NNX: ``nnx.Optimizer`` takes any optax transformation, so loss scaling is
 helpers of the package accept the optimizer itself (``ols.get_scale(opt)``,
 ``ols.diagnostics(opt)``) and :func:`nnx_value_and_grad` computes the scaled
 gradients.
+
+Flax's float8 layers (``flax.linen.fp8_ops``) keep scales and amax histories
+in the collection ``_overwrite_with_gradient``, whose "gradients" are their
+new values: give ``LossScaleTrainState.create`` the whole variables dict; in
+NNX (Linen float8 layers through ``nnx.bridge.ToNNX``) add
+:func:`is_overwrite_variable` to the optimizer's ``wrt`` and update with
+:func:`nnx_update`.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from optax_lossscale import _grad, _state
+from optax_lossscale import _grad, _overwrite, _state
 
 
 class LossScaleTrainState(train_state.TrainState):
@@ -44,17 +51,45 @@ class LossScaleTrainState(train_state.TrainState):
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, **kwargs):
-    """As ``TrainState.create``; ``tx`` must contain one loss scale."""
-    state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
-    _state.find_loss_scale_state(state.opt_state)  # a clear error if none
+    """As ``TrainState.create``; ``tx`` must contain one loss scale.
+
+    ``tx`` is initialised on the whole of ``params``. With Flax's float8
+    layers pass the whole variables dict, ``{'params': ...,
+    '_overwrite_with_gradient': ...}`` (as Flax's ``TrainState`` expects): the
+    loss scale keeps the float8 scales and amax histories from the inner
+    optimizer (it holds no state for them), checks them and
+    :meth:`apply_gradients` overwrites them.
+
+    Raises:
+      ValueError: ``tx`` holds no loss scale, or one inside an
+        ``optax.MultiSteps`` while ``params`` hold float8 overwrite leaves.
+    """
+    opt_state = tx.init(params)
+    _state.find_loss_scale_state(opt_state)  # a clear error if none
+    _overwrite.find_overwrite_state(opt_state)  # refuses MultiSteps outside
     # An int32 array from the start: the same pytree (and checkpoint) before
     # and after the first step.
-    return state.replace(step=jnp.zeros([], jnp.int32))
+    return cls(
+      step=jnp.zeros([], jnp.int32),
+      apply_fn=apply_fn,
+      params=params,
+      tx=tx,
+      opt_state=opt_state,
+      **kwargs,
+    )
 
   def apply_gradients(self, *, grads, **kwargs):
-    """Applies gradients of the scaled loss (unless the step is skipped)."""
+    """Applies gradients of the scaled loss (unless the step is skipped).
+
+    ``grads`` have the tree of ``params``. Leaves of Flax's
+    ``_overwrite_with_gradient`` collection are overwritten with their new
+    values (:func:`optax_lossscale.apply_overwrites`), the others updated by
+    ``tx``.
+    """
     updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
-    new_params = optax.apply_updates(self.params, updates)
+    new_params = _overwrite.apply_overwrites(
+      optax.apply_updates(self.params, updates), new_opt_state
+    )
     skipped = _state.diagnostics(new_opt_state)["last_step_skipped"]
     step = jnp.where(skipped, self.step, self.step + 1).astype(jnp.int32)
     return self.replace(step=step, params=new_params, opt_state=new_opt_state, **kwargs)
@@ -84,28 +119,70 @@ class LossScaleTrainState(train_state.TrainState):
 def nnx_value_and_grad(
   fun: Callable[..., Any],
   *,
-  argnums: int = 0,
+  argnums: int | nnx.DiffState = 0,
   has_aux: bool = False,
 ) -> Callable[..., Any]:
   """``nnx.value_and_grad`` of ``fun``'s loss scaled by an optimizer's scale.
 
   Args:
     fun: the loss function of an ``nnx.Module`` (and more arguments).
-    argnums: which argument is the module, as in ``nnx.value_and_grad``.
+    argnums: which argument is the module, as in ``nnx.value_and_grad``. An
+      integer differentiates with respect to the optimizer's ``wrt``
+      variables (``nnx.DiffState(argnums, optimizer.wrt)``), so that the
+      gradients are those ``optimizer.update`` takes; an ``nnx.DiffState``
+      is used as it is.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
 
   Returns:
     ``g(optimizer, *args, **kwargs) -> (fun's output, scaled grads)`` where
     ``optimizer`` is the ``nnx.Optimizer`` whose ``tx`` holds the loss scale;
-    pass the grads to ``optimizer.update(model, grads)``.
+    pass the grads to ``optimizer.update(model, grads)``, or to
+    :func:`nnx_update` with float8 overwrite variables.
   """
 
   def wrapper(optimizer, *args, **kwargs):
     scale = _grad.scale_for(optimizer, "nnx_value_and_grad(fun)")
     scaled = _grad.scaled_loss_fn(fun, scale, has_aux)
-    (_, out), grads = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)(
+    wrt = getattr(optimizer, "wrt", None)
+    diff = argnums
+    if isinstance(argnums, int) and wrt is not None:
+      diff = nnx.DiffState(argnums, wrt)
+    (_, out), grads = nnx.value_and_grad(scaled, argnums=diff, has_aux=True)(
       *args, **kwargs
     )
     return out, grads
 
   return wrapper
+
+
+def is_overwrite_variable(path: Any, value: Any) -> bool:
+  """An NNX filter: the variables of Flax's ``_overwrite_with_gradient`` collection.
+
+  ``nnx.bridge.ToNNX`` makes a Linen float8 layer's scales and amax
+  histories variables of a type of that name. Use it in the optimizer's
+  ``wrt``: ``nnx.Optimizer(model, tx, wrt=nnx.Any(nnx.Param,
+  is_overwrite_variable))``.
+  """
+  del path
+  return _overwrite.is_overwrite_variable(value)
+
+
+def nnx_update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any, /, **kwargs):
+  """``optimizer.update(model, grads)``, then the overwrite variables written.
+
+  ``nnx.Optimizer.update`` adds the loss scale's updates to the variables
+  its ``wrt`` selects: zeros for Flax's float8 overwrite variables. This
+  then writes their new values into ``model``
+  (:func:`optax_lossscale.apply_overwrites`): after an applied optimizer
+  step only, so a skipped step keeps the old ones. Without overwrite
+  variables it is ``optimizer.update``.
+
+  Returns:
+    The updates, as ``optimizer.update`` returns them.
+  """
+  updates = optimizer.update(model, grads, **kwargs)
+  if _overwrite.find_overwrite_state(optimizer) is not None:
+    graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
+    params = nnx.as_pure(nnx.state(model, optimizer.wrt, **graph))
+    nnx.update(model, _overwrite.apply_overwrites(params, optimizer))
+  return updates

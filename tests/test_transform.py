@@ -499,3 +499,81 @@ def test_a_restored_scale_comes_into_the_configuration_at_its_first_update():
   low = saved._replace(loss_scale=jnp.asarray(0.5, jnp.float32))
   _, state = jax.jit(tx.update)(grads, low, params)
   assert float(ols.get_scale(state)) == 2.0
+
+
+# Leaves that Flax overwrites with their new value (float8 meta), by their
+# collection's name; tests/test_flax_fp8.py runs Flax's own float8 layers.
+OW = "_overwrite_with_gradient"
+
+
+def _with_overwrites():
+  return {"params": _params(), OW: {"amax": jnp.zeros(4), "scale": jnp.ones(1)}}
+
+
+def _grads_with(params, scale, amax, new_scale=2.0):
+  regular = _scaled_grads(params["params"], scale)
+  return {"params": regular, OW: {"amax": amax, "scale": jnp.full(1, new_scale)}}
+
+
+@pytest.mark.standard_promotion  # optax's adam
+def test_overwrite_leaves_are_written_as_they_are_and_kept_from_the_inner_state():
+  params = _with_overwrites()
+  tx = ols.dynamic_loss_scale(optax.adam(0.1), initial_scale=8.0)
+  state = tx.init(params)
+  adam = state.inner_state.inner_state[0]
+  assert jax.tree.leaves(adam.mu[OW]) == [] and jax.tree.leaves(adam.mu["params"])
+  amax = jnp.array([3.0, 5.0, 0.0, 0.5])
+  grads = _grads_with(params, 8.0, amax)
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  unscaled = _scaled_grads(params["params"], 1.0)
+  plain, _ = optax.adam(0.1).update(unscaled, optax.adam(0.1).init(params["params"]))
+  chex.assert_trees_all_close(updates["params"], plain, rtol=1e-6)
+  chex.assert_trees_all_equal(updates[OW], jax.tree.map(jnp.zeros_like, grads[OW]))
+  new = ols.apply_overwrites(optax.apply_updates(params, updates), new_state)
+  chex.assert_trees_all_equal(new[OW], grads[OW])  # not divided by 8
+  # A non-finite new value skips the step like a non-finite gradient.
+  bad = _grads_with(params, 8.0, amax.at[1].set(jnp.nan))
+  updates, skipped = jax.jit(tx.update)(bad, new_state, new)
+  assert bool(ols.diagnostics(skipped)["last_step_skipped"])
+  chex.assert_trees_all_equal(
+    ols.apply_overwrites(optax.apply_updates(new, updates), skipped), new
+  )
+
+
+@pytest.mark.standard_promotion  # optax's MultiSteps
+def test_overwrite_leaves_take_the_maximum_over_a_multisteps_window():
+  params = _with_overwrites()
+  tx = ols.dynamic_loss_scale(optax.MultiSteps(optax.sgd(0.1), 2), initial_scale=4.0)
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  a1, a2 = jnp.array([1.0, 5.0, 0.0, 0.0]), jnp.array([3.0, 2.0, 0.0, 0.0])
+  micro_batches = [  # (new amax, new scale); the NaN one is skipped alone
+    (a1, 1.0),
+    (a1.at[0].set(jnp.nan), 9.0),
+    (a2, 1.0),
+  ]
+  for i, (amax, new_scale) in enumerate(micro_batches):
+    grads = _grads_with(params, 4.0, amax, new_scale)
+    updates, state = update(grads, state, params)
+    written = ols.apply_overwrites(optax.apply_updates(params, updates), state)
+    if i < 2:  # mid-window: nothing is written
+      chex.assert_trees_all_equal(written, params)
+  chex.assert_trees_all_equal(written[OW]["amax"], jnp.maximum(a1, a2))
+  chex.assert_trees_all_equal(written[OW]["scale"], jnp.full(1, 1.0))
+  assert int(ols.diagnostics(state)["skipped_steps"]) == 1
+
+
+def test_overwrite_leaves_misuse_is_a_clear_error():
+  params = _with_overwrites()
+  grads = _grads_with(params, 1.0, jnp.ones(4))
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1))
+  # A state made without them (Flax's TrainState.create inits on params only).
+  with pytest.raises(ValueError, match="made without them"):
+    tx.update(grads, tx.init(params["params"]), params)
+  outside = optax.MultiSteps(tx, 2)
+  with pytest.raises(ValueError, match="Accumulate inside the loss scale"):
+    ols.apply_overwrites(params, outside.init(params))
+  with pytest.raises(ValueError, match="does not match"):
+    ols.apply_overwrites(params["params"], tx.init(params))
+  plain = tx.init(params["params"])  # no overwrite leaves: params as they are
+  assert ols.apply_overwrites(params["params"], plain) is params["params"]
