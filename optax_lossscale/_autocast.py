@@ -202,6 +202,11 @@ def _first_order(eqn, invals, rules: _Rules):
       params["preferred_element_type"] = half
     out_dtype = params.get("preferred_element_type", pet) or half
     if name == "dot_general" and rules.float8 and len(floating) == 2:
+      if eqn.params.get("out_sharding") is not None:
+        raise NotImplementedError(
+          "autocast's float8 matmuls do not support explicit sharding "
+          "(a dot_general with `out_sharding`); leave `matmul` unset."
+        )
       # Both operands as they come (float32 parameters are quantised from
       # float32, not from their half rounding).
       return [

@@ -11,15 +11,16 @@ float32 and is rescaled by the inverse scales.
 The spelling is the one XLA's GPU backend turns into one cuBLASLt float8
 GEMM on Hopper (``gemm_rewriter``): a ``dot_general`` whose operands are
 float8 arrays (e4m3 x e4m3 forward, e5m2 x e4m3 backward), its result in
-bfloat16 or float32, multiplied directly by one scalar (the product of the
-inverse scales), which XLA folds into the GEMM. Elsewhere (CPU) XLA
-converts the operands to float32 and multiplies in float32: the numbers are
-those of float8, the speed is not.
+float32 (or bfloat16 with power-of-two scales), multiplied directly by one
+scalar (the product of the inverse scales), which XLA folds into the GEMM.
+Elsewhere (CPU) XLA converts the operands to float32 and multiplies in
+float32: the numbers are those of float8, the speed is not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -33,7 +34,9 @@ __all__ = ["Float8Matmul", "as_recipe", "current_scale", "dot_general", "quantiz
 #: inverse scales is a normal float32 (>= 2**-126).
 MAX_SCALE = 2.0**63
 
-_FLOAT8 = tuple(
+#: The float8 formats a recipe may use: signed, with a zero
+#: (``float8_e8m0fnu``, a scale format, has neither).
+_RECIPE_DTYPES = tuple(
   jnp.dtype(getattr(jnp, name))
   for name in (
     "float8_e4m3fn",
@@ -43,18 +46,18 @@ _FLOAT8 = tuple(
     "float8_e4m3b11fnuz",
     "float8_e4m3",
     "float8_e3m4",
-    "float8_e8m0fnu",
   )
   if hasattr(jnp, name)
 )
 
 
 def is_float8(dtype: Any) -> bool:
-  """Whether ``dtype`` is one of JAX's 8-bit float dtypes."""
+  """Whether ``dtype`` is an 8-bit float dtype."""
   try:
-    return jnp.dtype(dtype) in _FLOAT8
+    dtype = jnp.dtype(dtype)
   except TypeError:
     return False
+  return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +77,12 @@ class Float8Matmul:
     forward_dtype: the dtype of the forward inputs (and the saved ones).
     backward_dtype: the dtype of the output gradient.
     power_of_two: round each scale down to a power of two, so scaling and
-      rescaling are exact (the quantisation keeps one bit less headroom).
+      rescaling are exact (the quantisation uses at most one bit less of the
+      range). A bfloat16 result then comes out of the matmul itself, with
+      the rescale folded into it on GPUs; otherwise the product is rescaled
+      in float32 and converted, which costs one more pass over the result
+      but biases no entry (a bfloat16 copy of a scale that is not a power
+      of two would bias them all alike).
   """
 
   forward_dtype: Any = jnp.float8_e4m3fn
@@ -84,8 +92,13 @@ class Float8Matmul:
   def __post_init__(self):
     for field in ("forward_dtype", "backward_dtype"):
       value = getattr(self, field)
-      if not is_float8(value):
-        raise ValueError(f"`{field}` must be a float8 dtype, got {value!r}.")
+      try:
+        ok = jnp.dtype(value) in _RECIPE_DTYPES
+      except TypeError:
+        ok = False
+      if not ok:
+        names = ", ".join(d.name for d in _RECIPE_DTYPES)
+        raise ValueError(f"`{field}` must be one of {names}; got {value!r}.")
       object.__setattr__(self, field, jnp.dtype(value))
     if not isinstance(self.power_of_two, (bool, np.bool_)):
       raise ValueError(f"`power_of_two` must be a bool, got {self.power_of_two!r}.")
@@ -120,43 +133,61 @@ def current_scale(amax: jax.Array, dtype: Any, power_of_two: bool = False) -> ja
   return scale
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def quantize(x: jax.Array, dtype: Any, power_of_two: bool = False):
   """``x`` in float8 with its current per-tensor scale: ``(q, 1 / scale)``.
 
   ``q = float8(x * scale)`` approximates ``x * scale``; ``q * (1 / scale)``
   approximates ``x``. No clipping: ``|x| * scale <= max(dtype)`` by
   construction, and a value that is not finite stays so (``float8_e4m3fn``
-  has no infinity: it becomes NaN).
+  has no infinity: it becomes NaN). Not differentiable in forward mode, so
+  that ``jax.hessian`` or a ``jvp`` of a gradient of a float8 matmul raises
+  instead of sending tangents through an unscaled float8 cast.
   """
   x32 = x.astype(jnp.float32)
-  scale = current_scale(jnp.max(jnp.abs(x32)), dtype, power_of_two)
+  scale = current_scale(jnp.max(jnp.abs(x32), initial=0.0), dtype, power_of_two)
   return (x32 * scale).astype(dtype), 1 / scale
 
 
-def _product_dtype(out_dtype) -> jnp.dtype:
-  """The matmul's result type: ``out_dtype`` if it has float32's range.
+@quantize.defjvp
+def _quantize_jvp(dtype, power_of_two, primals, tangents):
+  del dtype, power_of_two, primals, tangents
+  raise NotImplementedError(
+    "float8 matmuls (autocast(..., matmul='float8')) can be differentiated in "
+    "reverse mode once (jax.grad, jax.vjp), not in forward mode (jax.jvp, "
+    "jax.hessian, a jvp of a gradient)."
+  )
 
-  The unscaled float8 product (up to ``max**2`` times the contraction
-  length) overflows float16, so a float16 result is computed in float32 and
-  converted after the rescaling.
+
+def _product_dtype(out_dtype, exact_scale: bool) -> jnp.dtype:
+  """The matmul's result type, before the conversion to ``out_dtype``.
+
+  ``out_dtype`` itself when the rescaling is exact in it: float32, or
+  bfloat16 with power-of-two scales (XLA then folds the whole rescale into
+  the GEMM). Otherwise float32, converted after the rescaling: a bfloat16
+  copy of a scale that is not a power of two would bias every entry the
+  same way, and the unscaled float8 product (up to ``max**2`` times the
+  contraction length) overflows float16.
   """
   out_dtype = jnp.dtype(out_dtype)
-  return out_dtype if jnp.finfo(out_dtype).maxexp >= 128 else jnp.dtype(jnp.float32)
+  if out_dtype == jnp.float32 or (exact_scale and jnp.finfo(out_dtype).maxexp >= 128):
+    return out_dtype
+  return jnp.dtype(jnp.float32)
 
 
-def _scaled_dot(a, b, dimension_numbers, inverse_scale, out_dtype):
+def _scaled_dot(a, b, dimension_numbers, inverse_scale, out_dtype, exact_scale):
   """``dot_general(a, b) * inverse_scale`` of float8 ``a``, ``b``, in ``out_dtype``.
 
   The product accumulates in float32 (XLA's float8 matmuls always do) and
   comes out in ``out_dtype``; the one scalar multiplication directly on the
   result is what XLA's GPU backend folds into the cuBLASLt float8 GEMM.
   """
-  pet = _product_dtype(out_dtype)
+  pet = _product_dtype(out_dtype, exact_scale)
   out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet)
   return (out * inverse_scale.astype(pet)).astype(out_dtype)
 
 
-def _transpose(g, other, dimension_numbers, shapes, wrt: int, scale, out_dtype):
+def _transpose(g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact):
   """The cotangent of operand ``wrt`` (0: lhs, 1: rhs) of a ``dot_general``.
 
   ``g`` is the output's cotangent and ``other`` the other operand. The
@@ -183,6 +214,7 @@ def _transpose(g, other, dimension_numbers, shapes, wrt: int, scale, out_dtype):
     ((g_free[theirs], free[theirs]), (batch, (lb, rb)[theirs])),
     scale,
     out_dtype,
+    exact,
   )
   # Operand `mine`'s axis for each axis of `out`.
   order = [
@@ -216,7 +248,7 @@ def dot_general(
   def forward(a, b):
     qa, ia = quantize(a, recipe.forward_dtype, pow2)
     qb, ib = quantize(b, recipe.forward_dtype, pow2)
-    out = _scaled_dot(qa, qb, dimension_numbers, ia * ib, out_dtype)
+    out = _scaled_dot(qa, qb, dimension_numbers, ia * ib, out_dtype, pow2)
     return out, (qa, ia, qb, ib)
 
   @jax.custom_vjp
@@ -226,8 +258,8 @@ def dot_general(
   def backward(saved, g):
     qa, ia, qb, ib = saved
     qg, ig = quantize(g, recipe.backward_dtype, pow2)
-    da = _transpose(qg, qb, dimension_numbers, shapes, 0, ig * ib, dtypes[0])
-    db = _transpose(qg, qa, dimension_numbers, shapes, 1, ig * ia, dtypes[1])
+    da = _transpose(qg, qb, dimension_numbers, shapes, 0, ig * ib, dtypes[0], pow2)
+    db = _transpose(qg, qa, dimension_numbers, shapes, 1, ig * ia, dtypes[1], pow2)
     return da, db
 
   product.defvjp(forward, backward)

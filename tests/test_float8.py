@@ -137,8 +137,9 @@ def test_bfloat16_results_add_only_bfloat16_rounding():
   exact = lambda a, b: lax.dot_general(a, b, dn, precision="highest")
   got = f(a, b)
   assert got.dtype == jnp.bfloat16
-  # On top of the float32 bound: the result, the scale and their product
-  # each rounded to bfloat16 (u = 2**-8), at most (1 + u)**3 - 1 relative.
+  # On top of the float32 bound: the float32 result rounded to bfloat16
+  # (u = 2**-8); the bound allows (1 + u)**3 - 1 relative, room for the
+  # power-of-two path's bfloat16 product and rescale.
   u = _u(jnp.bfloat16)
   mag = exact(jnp.abs(a), jnp.abs(b))
   bound = _bound(exact, a, b, E4M3, E4M3, 32) + ((1 + u) ** 3 - 1) * 1.2 * mag
@@ -222,6 +223,42 @@ def test_a_float8_compute_dtype_points_to_the_matmul_option():
     ols.Float8Matmul(backward_dtype="float32")
   with pytest.raises(ValueError, match="power_of_two"):
     ols.Float8Matmul(power_of_two="yes")
+  if hasattr(jnp, "float8_e8m0fnu"):  # a scale format: no sign, no zero
+    with pytest.raises(ValueError, match="forward_dtype"):
+      ols.Float8Matmul(forward_dtype=jnp.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="matmul='float8'"):
+      ols.autocast(_dense_loss, compute_dtype=jnp.float8_e8m0fnu)
+
+
+def test_forward_mode_differentiation_raises_instead_of_a_wrong_hessian():
+  w, x = jnp.ones((3, 3)), jnp.ones((4, 3))
+  f = ols.autocast(
+    lambda w, x: jnp.sum((x @ w) @ w), compute_dtype=jnp.bfloat16, matmul="float8"
+  )
+  assert jax.grad(f)(w, x).shape == w.shape
+  with pytest.raises(NotImplementedError, match="reverse mode"):
+    jax.hessian(f)(w, x)
+  with pytest.raises(NotImplementedError, match="reverse mode"):
+    jax.jvp(jax.grad(f), (w, x), (w, x))
+
+
+def test_empty_operands_give_empty_or_zero_results():
+  f = ols.autocast(lambda a, b: a @ b, compute_dtype=jnp.bfloat16, matmul="float8")
+  assert f(jnp.ones((0, 4)), jnp.ones((4, 3))).shape == (0, 3)
+  np.testing.assert_array_equal(f(jnp.ones((2, 0)), jnp.ones((0, 3))), 0.0)
+  g = jax.grad(lambda b: jnp.sum(f(jnp.ones((0, 4)), b)))(jnp.ones((4, 3)))
+  np.testing.assert_array_equal(g, 0.0)
+
+
+def test_the_default_rescale_is_unbiased_in_bfloat16():
+  # A scale that is not a power of two (448 / 1) must not be rounded to
+  # bfloat16 before the rescale: 4 ones times 4 ones is exactly 4.
+  dn = (((1,), (0,)), ((), ()))
+  for recipe in (ols.Float8Matmul(), ols.Float8Matmul(power_of_two=True)):
+    out = _float8.dot_general(
+      jnp.ones((2, 4)), jnp.ones((4, 2)), dn, jnp.bfloat16, recipe
+    )
+    np.testing.assert_array_equal(out.astype(jnp.float32), 4.0)
 
 
 def test_jit_grad_and_vmap_agree():
