@@ -389,7 +389,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--batch",
     type=int,
-    default=32,
+    default=24,
     help="sequences per batch; the loss is the mean over batch x context tokens",
   )
   p.add_argument(
@@ -412,7 +412,7 @@ def parse_args(argv=None):
   p.add_argument(
     "--measure-every",
     type=int,
-    default=10,
+    default=20,
     help="measure the underflow every this many steps (costs a float32 backward pass)",
   )
   p.add_argument(
