@@ -3,8 +3,10 @@
 Imported by the test modules, which skip without Flax before importing it.
 """
 
-import flax.linen as nn
 import jax.numpy as jnp
+import pytest
+
+nn = pytest.importorskip("flax.linen", reason="the models are Flax's")
 
 
 def eqns(jaxpr):
