@@ -40,6 +40,12 @@ from optax_lossscale._overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._policy import Policy as Policy
 from optax_lossscale._policy import default_half_dtype as default_half_dtype
 from optax_lossscale._policy import get_policy as get_policy
+from optax_lossscale._rounding import KahanSummationState as KahanSummationState
+from optax_lossscale._rounding import (
+  StochasticRoundingState as StochasticRoundingState,
+)
+from optax_lossscale._rounding import kahan_summation as kahan_summation
+from optax_lossscale._rounding import stochastic_rounding as stochastic_rounding
 from optax_lossscale._skip import SkipFallbackWarning as SkipFallbackWarning
 from optax_lossscale._state import NonFiniteStepsError as NonFiniteStepsError
 from optax_lossscale._state import check_skipped_steps as check_skipped_steps
@@ -63,6 +69,7 @@ __all__ = (
   "Float8Matmul",
   "EmaParamsState",
   "ExperimentalLossScaleOptimizer",
+  "KahanSummationState",
   "LossScale",
   "LossScaleConfig",
   "LossScaleOptimizer",
@@ -72,6 +79,7 @@ __all__ = (
   "Policy",
   "SkipFallbackWarning",
   "StaticLossScale",
+  "StochasticRoundingState",
   "all_finite",
   "apply_overwrites",
   "autocast",
@@ -87,9 +95,11 @@ __all__ = (
   "get_learning_rate",
   "get_policy",
   "get_scale",
+  "kahan_summation",
   "scale_loss",
   "set_learning_rate",
   "static_loss_scale",
+  "stochastic_rounding",
   "unscale",
   "value_and_grad",
   "with_loss_scale",
