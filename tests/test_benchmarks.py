@@ -140,3 +140,40 @@ def test_train_entries_time_equivalent_steps(bench):
   ):
     np.testing.assert_allclose(read, plain, rtol=1e-6)
     np.testing.assert_allclose(scaled, plain, rtol=1e-6)
+
+
+@versions.examples
+@pytest.mark.slow
+def test_bf16_params_report_runs_and_adds_up(tmp_path):
+  import re
+  import subprocess
+
+  out = tmp_path / "bf16.md"
+  subprocess.run(
+    [sys.executable, os.path.join(_BENCH, "bf16_params.py"), "--quick", "--out", out],
+    check=True,
+    capture_output=True,
+    timeout=600,
+  )
+  text = out.read_text()
+  rows = re.findall(
+    r"^\| (float32|bf16 [^|]+?) \| ([\d.]+) \| ([+-][\d.]+) \(.*?\) \| ([\d.]+)% \| "
+    r"([+-][\d.]+) \(.*?\) \| ([\d.]+) \|$",
+    text,
+    re.M,
+  )
+  assert len(rows) == 12, text  # six configurations, two models
+  for name, _, gap, _, points, per_param in rows:
+    if name == "float32":
+      assert float(gap) == 0 and float(points) == 0 and float(per_param) == 12.0
+  # Bytes per parameter follow from the dtypes: bfloat16 parameters (2), the
+  # Kahan buffer (2), Adam's two moments (4 or 2 each).
+  per = {name: float(b) for name, *_, b in rows}
+  assert per["bf16 nearest"] == per["bf16 stochastic"] == 10.0
+  assert per["bf16 Kahan"] == 12.0 and per["bf16 Kahan, bf16 mu"] == 10.0
+  assert per["bf16 stochastic, bf16 moments"] == 6.0
+  costs = re.findall(
+    r"^\| (float32|bf16 [^|]+?) \| ([\d.]+) \| ([\d.]+)x \|", text, re.M
+  )
+  assert len(costs) == 6 and all(float(ms) > 0 for _, ms, _ in costs), text
+  assert (tmp_path / "bf16.png").read_bytes()[:4] == b"\x89PNG"
