@@ -163,7 +163,8 @@ def main(argv=None):
 
   for i in range(start, args.steps):
     if path is not None and i == args.save_at:
-      checkpointer.save(path, state, force=args.overwrite)
+      # Refuses (naming the leaves) a state that holds NaN or inf.
+      checkpointer.save(path, ols.check_checkpoint(state), force=args.overwrite)
       checkpointer.wait_until_finished()
       print(f"saved step {i}: {path}")
     x, y = batch(data, i, args.batch)

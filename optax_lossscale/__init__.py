@@ -23,6 +23,7 @@ from optax_lossscale._ema import get_ema_params as get_ema_params
 from optax_lossscale._float8 import Float8Matmul as Float8Matmul
 from optax_lossscale._grad import scale_loss as scale_loss
 from optax_lossscale._grad import value_and_grad as value_and_grad
+from optax_lossscale._guard import check_checkpoint as check_checkpoint
 from optax_lossscale._keras import (
   ExperimentalLossScaleOptimizer as ExperimentalLossScaleOptimizer,
 )
@@ -83,6 +84,7 @@ __all__ = (
   "all_finite",
   "apply_overwrites",
   "autocast",
+  "check_checkpoint",
   "check_skipped_steps",
   "default_half_dtype",
   "diagnostics",

@@ -1,0 +1,85 @@
+"""The guard before a checkpoint: a state holding a non-finite value is refused.
+
+A step that produced NaN and was applied anyway (a model that is NaN by
+itself, a float8 layer's stale scale, a run without loss scaling) leaves it
+in the parameters or the optimizer state; saved, it poisons every run that
+resumes from it. :func:`check_checkpoint` refuses such a state, naming where
+the values are, for the price of the finite check's one fused reduction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_lossscale import _core, _state
+
+__all__ = ["check_checkpoint"]
+
+_all_finite = jax.jit(_core.all_finite)
+
+
+def _floating_leaves(tree: Any) -> list[tuple[str, jax.Array]]:
+  """``(path, array)`` of the floating array leaves (``nnx`` variables unwrapped)."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_state.is_variable)[0]
+  out = []
+  for path, x in flat:
+    x = _state.unwrap(x)
+    if isinstance(x, jax.core.Tracer):
+      raise ValueError(
+        "check_checkpoint reads the values on the host: call it outside "
+        "jax.jit (before saving), not inside a traced function."
+      )
+    if _core.is_float_array(x):
+      out.append((jax.tree_util.keystr(path) or "<root>", x))
+  return out
+
+
+def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
+  """``tree`` itself if every floating value in it is finite; else a ``ValueError``.
+
+  Meant for the line before a save: ``checkpointer.save(path,
+  ols.check_checkpoint(state))``. The check is the loss scale's own finite
+  check (:func:`all_finite`: one fused reduction over all leaves, jitted,
+  and one boolean back to the host). Only when it fails are the leaves
+  examined one by one, to name each one that holds NaN or an infinity, with
+  counts. Integer, boolean and non-array leaves (a step counter, strings)
+  are not checked; ``nnx`` variables are read through.
+
+  Args:
+    tree: what is about to be saved: parameters, an optimizer state, a Flax
+      ``TrainState``, a dict of them.
+    what: the word for ``tree`` in the error message.
+
+  Returns:
+    ``tree``, unchanged.
+
+  Raises:
+    ValueError: a floating value is NaN or infinite (the message lists the
+      leaves' paths), or the call is inside ``jax.jit``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lossscale as ols
+    >>> state = {"w": jnp.ones(2), "mu": {"w": jnp.array([0.0, jnp.nan])}}
+    >>> ols.check_checkpoint(state)
+    Traceback (most recent call last):
+    ...
+    ValueError: Refusing to save a state with non-finite values: ['mu']['w']:
+    1 NaN (of 2 entries). ...
+  """
+  leaves = _floating_leaves(tree)
+  if bool(_all_finite([x for _, x in leaves])):
+    return tree
+  bad = []
+  for path, x in leaves:
+    nans, infs = (int(jnp.sum(f(x))) for f in (jnp.isnan, jnp.isinf))
+    if nans or infs:
+      kinds = [f"{n} {k}" for n, k in ((nans, "NaN"), (infs, "inf")) if n]
+      bad.append(f"{path}: {' and '.join(kinds)} (of {x.size} entries)")
+  raise ValueError(
+    f"Refusing to save a {what} with non-finite values: {'; '.join(bad)}. "
+    "Resuming from it would carry them on; save an earlier state, or find "
+    "the step that produced them (ols.diagnostics, check_skipped_steps)."
+  )

@@ -1,0 +1,73 @@
+"""check_checkpoint: a state with a non-finite value is refused, naming where."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam
+
+
+def _state():
+  params = {"dense": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)}}
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3))
+  opt_state = tx.init(params)
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 0.5), params)
+  _, opt_state = tx.update(grads, opt_state, params)
+  return {"params": params, "opt_state": opt_state, "step": 1, "name": "run"}
+
+
+def _poison(state, where, value):
+  def one(path, x):
+    hit = where in jax.tree_util.keystr(path) and "bias" in jax.tree_util.keystr(path)
+    return x.at[..., 0].set(value) if hit else x
+
+  return jax.tree_util.tree_map_with_path(one, state)
+
+
+def test_a_finite_state_is_returned_as_it_is():
+  state = _state()
+  assert ols.check_checkpoint(state) is state
+
+
+def test_a_nan_in_an_adam_moment_is_refused_and_named():
+  state = _poison(_state(), ".nu", jnp.nan)
+  with pytest.raises(ValueError) as e:
+    ols.check_checkpoint(state)
+  msg = str(e.value)
+  assert "nu" in msg and "['bias']" in msg and "1 NaN (of 2 entries)" in msg
+  assert "kernel" not in msg and "mu" not in msg.replace("nu", "")  # only that leaf
+
+
+def test_nan_and_infinity_are_told_apart_and_counted():
+  state = _poison(_state(), "params", jnp.inf)
+  state["params"]["dense"]["kernel"] = (
+    state["params"]["dense"]["kernel"].at[0].set(jnp.nan)
+  )
+  with pytest.raises(ValueError) as e:
+    ols.check_checkpoint(state, what="checkpoint")
+  msg = str(e.value)
+  assert msg.startswith("Refusing to save a checkpoint")
+  assert "['params']['dense']['bias']: 1 inf (of 2 entries)" in msg
+  assert "['params']['dense']['kernel']: 2 NaN (of 6 entries)" in msg
+
+
+def test_integer_and_non_array_leaves_are_not_checked():
+  ok = {"count": jnp.array([2**31 - 1]), "flag": jnp.array(True), "note": "x", "n": 3}
+  assert ols.check_checkpoint(ok) is ok
+
+
+def test_inside_jit_it_says_to_call_it_outside():
+  with pytest.raises(ValueError, match="outside jax.jit"):
+    jax.jit(ols.check_checkpoint)({"w": jnp.ones(2)})
+
+
+def test_nnx_variables_are_read_through():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  assert ols.check_checkpoint(nnx.state(model)) is not None
+  model.bias.set_value(model.bias.get_value().at[1].set(jnp.inf))
+  with pytest.raises(ValueError, match="bias.*1 inf"):
+    ols.check_checkpoint(nnx.state(model))
