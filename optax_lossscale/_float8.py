@@ -201,11 +201,10 @@ def _transpose(g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact
     [d for d in range(len(shape)) if d not in c and d not in b]
     for shape, c, b in zip(shapes, (lc, rc), (lb, rb), strict=True)
   ]
-  batch = list(range(len(lb)))
-  g_free = [
-    list(range(len(lb), len(lb) + len(free[0]))),
-    list(range(len(lb) + len(free[0]), len(lb) + len(free[0]) + len(free[1]))),
-  ]
+  # g's axes: (batch, lhs free, rhs free).
+  nb, n0, n1 = len(lb), len(free[0]), len(free[1])
+  batch = list(range(nb))
+  g_free = [list(range(nb, nb + n0)), list(range(nb + n0, nb + n0 + n1))]
   contract = (lc, rc)
   mine, theirs = wrt, 1 - wrt
   out = _scaled_dot(
