@@ -144,12 +144,12 @@ def lm_task(steps, seed):
   encode = train_lm.make_tokenizer(train_text, 256)
   tokens, _ = encode(train_text)
   val, _ = encode(val_text)
-  context, batch = 128, 24
-  rng = np.random.default_rng(seed)
-  starts = rng.integers(0, len(tokens) - context - 1, (steps, batch))
-  batches = [(tokens[s[:, None] + np.arange(context + 1)],) for s in starts]
-  val_starts = np.linspace(0, len(val) - context - 1, 64).astype(int)
-  val_tokens = val[val_starts[:, None] + np.arange(context + 1)]
+  context = 128
+  windows, val_idx = train_lm.sample(
+    tokens, val, steps=steps, batch=24, context=context, eval_sequences=64, seed=seed
+  )
+  batches = [(w,) for w in windows]
+  val_tokens = val[val_idx]
   model = train_lm.Transformer(2, 128, 4, context, 256, jnp.bfloat16)
   params = model.init(jax.random.key(seed), batches[0][0][:, :-1])["params"]
   loss_fn = lambda p, t: train_lm.loss_fn(model, p, t)

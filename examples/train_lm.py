@@ -92,6 +92,21 @@ def make_tokenizer(train: bytes, vocab: int):
   return encode
 
 
+def sample(train, val, *, steps, batch, context, eval_sequences, seed):
+  """Training batches (random windows) and held-out windows (evenly spaced).
+
+  Returns ``(batches, val_idx)``: ``steps`` arrays of ``batch`` windows of
+  ``context + 1`` tokens of ``train`` (seeded), and the indices into ``val``
+  of ``eval_sequences`` such windows.
+  """
+  rng = np.random.default_rng(seed)
+  starts = rng.integers(0, len(train) - context - 1, (steps, batch))
+  batches = [train[s[:, None] + np.arange(context + 1)] for s in starts]
+  val_starts = np.linspace(0, len(val) - context - 1, eval_sequences)
+  val_idx = val_starts.astype(int)[:, None] + np.arange(context + 1)
+  return batches, val_idx
+
+
 def dense(features, dtype, **kw):
   init = nn.initializers.normal(0.02)  # GPT-2's initialisation
   return nn.Dense(
@@ -452,11 +467,15 @@ def main(argv=None):
     f"text: {n_files} files from {stdlib}: {len(train_text):,} bytes "
     f"({len(train):,} tokens) for training, {len(val_text):,} bytes held out"
   )
-  rng = np.random.default_rng(cfg.seed)
-  starts = rng.integers(0, len(train) - cfg.context - 1, (cfg.steps, cfg.batch))
-  batches = [train[s[:, None] + np.arange(cfg.context + 1)] for s in starts]
-  val_starts = np.linspace(0, len(val) - cfg.context - 1, cfg.eval_sequences)
-  val_idx = val_starts.astype(int)[:, None] + np.arange(cfg.context + 1)
+  batches, val_idx = sample(
+    train,
+    val,
+    steps=cfg.steps,
+    batch=cfg.batch,
+    context=cfg.context,
+    eval_sequences=cfg.eval_sequences,
+    seed=cfg.seed,
+  )
   val_tokens = val[val_idx]
   # Bits per byte = nats per token * tokens / bytes / ln 2.
   tokens_per_byte = val_idx[:, 1:].size / val_sizes[val_idx[:, 1:]].sum()

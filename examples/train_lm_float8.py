@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
-from train_lm import Transformer, load_text, loss_fn, make_tokenizer
+from train_lm import Transformer, load_text, loss_fn, make_tokenizer, sample
 
 import optax_lossscale as ols
 
@@ -166,11 +166,16 @@ def main(argv=None):
   train, _ = encode(train_text)
   val, _ = encode(val_text)
   print(f"text: {n_files} files from {stdlib}, {len(train):,} bytes for training")
-  rng = np.random.default_rng(cfg.seed)
-  starts = rng.integers(0, len(train) - cfg.context - 1, (cfg.steps, cfg.batch))
-  batches = [train[s[:, None] + np.arange(cfg.context + 1)] for s in starts]
-  val_starts = np.linspace(0, len(val) - cfg.context - 1, cfg.eval_sequences)
-  val_tokens = val[val_starts.astype(int)[:, None] + np.arange(cfg.context + 1)]
+  batches, val_idx = sample(
+    train,
+    val,
+    steps=cfg.steps,
+    batch=cfg.batch,
+    context=cfg.context,
+    eval_sequences=cfg.eval_sequences,
+    seed=cfg.seed,
+  )
+  val_tokens = val[val_idx]
   model = Transformer(cfg.layers, cfg.width, cfg.heads, cfg.context, 256)
 
   results = []
