@@ -190,7 +190,8 @@ def _zip_leaves(name: str, updates: Any, params: Any, *others: Any) -> tuple:
 
   Raises:
     ValueError: the parameters' tree does not match the updates', or a
-      bfloat16/float16 parameter's update has another shape.
+      bfloat16/float16 parameter's update is not an array or has another
+      shape.
   """
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_none)
   try:
@@ -204,6 +205,12 @@ def _zip_leaves(name: str, updates: Any, params: Any, *others: Any) -> tuple:
   paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in with_paths]
   rows = list(zip([u for _, u in with_paths], *columns, strict=True))
   for path, (u, p, *_) in zip(paths, rows, strict=True):
+    if is_half(p) and u is not None and not _core.is_array(u):
+      raise ValueError(
+        f"{name}: the update at {path} is a {type(u).__name__} ({u!r}), not an "
+        "array: it would be added by rounding to nearest, unseen. Make it an "
+        "array (jnp.asarray)."
+      )
     if is_half(p) and _core.is_array(u) and u.shape != p.shape:
       raise ValueError(
         f"{name}: the update at {path} has shape {u.shape} but the "

@@ -71,3 +71,12 @@ def test_nnx_variables_are_read_through():
   model.bias.set_value(model.bias.get_value().at[1].set(jnp.inf))
   with pytest.raises(ValueError, match="bias.*1 inf"):
     ols.check_checkpoint(nnx.state(model))
+
+
+def test_zero_size_half_complex_and_float8_leaves():
+  ok = {"empty": jnp.zeros((0, 3)), "f8": jnp.array([1.0], jnp.float8_e4m3fn)}
+  assert ols.check_checkpoint(ok) is ok
+  with pytest.raises(ValueError, match=r"\['b'\]: 1 NaN"):
+    ols.check_checkpoint({"b": jnp.array([1.0, jnp.nan], jnp.bfloat16)})
+  with pytest.raises(ValueError, match=r"\['c'\]: 1 inf"):
+    ols.check_checkpoint({"c": jnp.array([1 + 1j, complex(0, float("inf"))])})

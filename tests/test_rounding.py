@@ -653,6 +653,8 @@ def test_bad_inputs_are_value_errors():
       tx.update({"v": jnp.ones(3)}, state, {"w": params["w"], "v": params["w"]})
     with pytest.raises(ValueError, match=r"has shape \(2,\)"):
       tx.update({"w": jnp.ones(2)}, state, params)
+    with pytest.raises(ValueError, match=r"\['w'\] is a float .*jnp.asarray"):
+      tx.update({"w": 1e-3}, state, params)
   kahan = ols.kahan_summation()
   with pytest.raises(ValueError, match="made for other parameters"):
     kahan.update(updates, kahan.init({"w": jnp.ones(3)}), params)
