@@ -390,13 +390,14 @@ def plot(results, groups, cfg, path):
   plt.close(fig)
 
 
-def parse_args(argv=None):
+def parser(description: str, *, steps: int, batch: int) -> argparse.ArgumentParser:
+  """The options of the language-model examples: model, text, seed, output."""
   default_out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
   p = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
+    description=description,
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  p.add_argument("--steps", type=int, default=300, help="training steps per run")
+  p.add_argument("--steps", type=int, default=steps, help="training steps per run")
   p.add_argument("--layers", type=int, default=2, help="transformer blocks")
   p.add_argument("--width", type=int, default=128, help="model width (embedding size)")
   p.add_argument("--heads", type=int, default=4, help="attention heads per block")
@@ -404,9 +405,34 @@ def parse_args(argv=None):
   p.add_argument(
     "--batch",
     type=int,
-    default=24,
+    default=batch,
     help="sequences per batch; the loss is the mean over batch x context tokens",
   )
+  p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+  p.add_argument(
+    "--eval-sequences",
+    type=int,
+    default=64,
+    help="held-out sequences of --context bytes for validation",
+  )
+  p.add_argument(
+    "--val-fraction",
+    type=float,
+    default=0.1,
+    help="fraction of the text (its end) held out for validation",
+  )
+  p.add_argument(
+    "--seed",
+    type=int,
+    default=0,
+    help="initialisation and batch order (same for all runs)",
+  )
+  p.add_argument("--out", default=default_out, help="directory for the PNG plot")
+  return p
+
+
+def parse_args(argv=None):
+  p = parser(__doc__.splitlines()[0], steps=300, batch=24)
   p.add_argument(
     "--vocab",
     type=int,
@@ -414,7 +440,6 @@ def parse_args(argv=None):
     help="vocabulary size: 256 byte tokens plus the VOCAB-256 most frequent "
     "words and whitespace runs of the training text (256: bytes only)",
   )
-  p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
   p.add_argument(
     "--initial-scale", type=float, default=2.0**15, help="loss scale at step 1"
   )
@@ -433,25 +458,6 @@ def parse_args(argv=None):
   p.add_argument(
     "--eval-every", type=int, default=50, help="validation loss every this many steps"
   )
-  p.add_argument(
-    "--eval-sequences",
-    type=int,
-    default=64,
-    help="held-out sequences of --context bytes in the validation loss",
-  )
-  p.add_argument(
-    "--val-fraction",
-    type=float,
-    default=0.1,
-    help="fraction of the text (its end) held out for validation",
-  )
-  p.add_argument(
-    "--seed",
-    type=int,
-    default=0,
-    help="initialisation and batch order (same for all runs)",
-  )
-  p.add_argument("--out", default=default_out, help="directory for the PNG plot")
   return p.parse_args(argv)
 
 

@@ -23,7 +23,6 @@ Run:  python examples/train_lm_float8.py [--steps N] [--out DIR]   (see --help)
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import time
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
-from train_lm import Transformer, load_text, loss_fn, make_tokenizer, sample
+from train_lm import Transformer, load_text, loss_fn, make_tokenizer, parser, sample
 
 import optax_lossscale as ols
 
@@ -123,38 +122,7 @@ def plot(results, cfg, path):
 
 
 def parse_args(argv=None):
-  default_out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-  p = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  p.add_argument("--steps", type=int, default=150, help="training steps per run")
-  p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-  p.add_argument("--width", type=int, default=128, help="model width (embedding size)")
-  p.add_argument("--heads", type=int, default=4, help="attention heads per block")
-  p.add_argument("--context", type=int, default=128, help="bytes per sequence")
-  p.add_argument("--batch", type=int, default=32, help="sequences per batch")
-  p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
-  p.add_argument(
-    "--eval-sequences",
-    type=int,
-    default=64,
-    help="held-out sequences of --context bytes for validation loss and accuracy",
-  )
-  p.add_argument(
-    "--val-fraction",
-    type=float,
-    default=0.1,
-    help="fraction of the text (its end) held out for validation",
-  )
-  p.add_argument(
-    "--seed",
-    type=int,
-    default=0,
-    help="initialisation and batch order (same for all runs)",
-  )
-  p.add_argument("--out", default=default_out, help="directory for the PNG plot")
-  return p.parse_args(argv)
+  return parser(__doc__.splitlines()[0], steps=150, batch=32).parse_args(argv)
 
 
 def main(argv=None):
