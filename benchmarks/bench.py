@@ -645,9 +645,9 @@ def _variant(inner, check, skip, **kwargs):
   return _transform.loss_scale_transformation(inner, config, check=check, skip=skip)
 
 
-def _norm_check(scaled_grads, loss_scale, config, axis_name=None):
+def _norm_check(scaled_grads, loss_scale, config, axis_name=None, factor=None):
   """Finiteness read off the global norm of the unscaled gradients."""
-  del config, axis_name
+  del config, axis_name, factor
   grads = ols.unscale(scaled_grads, loss_scale)
   return grads, jnp.isfinite(optax.tree.norm(grads))
 

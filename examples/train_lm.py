@@ -24,7 +24,10 @@ The script prints a table (validation loss and bits per byte, gap to float32,
 skipped steps, final scale, fraction of gradient entries that underflowed)
 and writes a PNG with three panels: the loss over the steps; the fraction of
 gradient entries that underflowed, per layer for the float16 run; and the
-loss scale, skipped steps marked.
+loss scale, skipped steps marked. The loss-scaled run keeps a record of
+where its gradients were not finite (``track_nonfinite=True``); when it
+skipped steps, the script prints ``ols.nonfinite_report``: which layers'
+gradients overflowed, and whether the loss itself was finite.
 
 Run:  python examples/train_lm.py [--steps N] [--out DIR]   (see --help)
 """
@@ -238,7 +241,10 @@ def make_step(model, tx, scaled):
       f = lambda p: loss_and_logit_underflow(model, p, tokens, scale)
       (loss, logit_lost), grads = jax.value_and_grad(f, has_aux=True)(params)
       grads_applied = grads
-    updates, opt_state = tx.update(grads, opt_state, params)
+    if scaled:  # the loss too, so that the record tells it from the gradients
+      updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+    else:
+      updates, opt_state = tx.update(grads, opt_state, params)
     skipped = (
       ols.diagnostics(opt_state)["last_step_skipped"] if scaled else jnp.array(False)
     )
@@ -293,6 +299,7 @@ def run(name, dtype, tx, cfg, batches, groups, shared, progress):
     logit_lost=float(np.mean(hist["logit_lost"][hist["skipped"] == 0]))
     if dtype != jnp.float32
     else None,
+    report=ols.nonfinite_report(opt_state) if scaled else None,
   )
 
 
@@ -506,7 +513,10 @@ def main(argv=None):
       "float16 + loss scale",
       jnp.float16,
       ols.dynamic_loss_scale(
-        adam(), initial_scale=cfg.initial_scale, growth_interval=cfg.growth_interval
+        adam(),
+        initial_scale=cfg.initial_scale,
+        growth_interval=cfg.growth_interval,
+        track_nonfinite=True,  # which layers overflowed: printed at the end
       ),
     ),
   ]
@@ -545,6 +555,9 @@ def main(argv=None):
       f"{g} {x:.2%}" for g, x in zip(groups, r["lost_per_layer"], strict=True)
     )
     print(f"underflow per layer, {r['name']}: {per_layer}")
+  for r in results:
+    if r["report"] is not None and r["skipped"]:
+      print(f"\nwhere the gradients were not finite, {r['name']}:\n{r['report']}")
   path = os.path.join(cfg.out, "lm_loss_scale.png")
   plot(results, groups, cfg, path)
   print(f"plot: {path}\ntotal time: {time.perf_counter() - t0:.1f} s")

@@ -11,10 +11,12 @@ initialisation and batches):
    everything else as in run 2.
 
 The model is not modified: autocast rewrites the float32 function. Runs 2
-and 3 use ``ols.dynamic_loss_scale(optax.adam(...))``: a step whose
-gradients are not finite is skipped. The script prints a table (validation
-loss, next-byte accuracy and their gaps to float32, skipped steps, time per
-step) and writes a PNG of the loss curves. On a CPU, XLA emulates float8
+and 3 use ``ols.dynamic_loss_scale(optax.adam(...), track_nonfinite=True)``:
+a step whose gradients are not finite is skipped. The script prints a table
+(validation loss, next-byte accuracy and their gaps to float32, skipped
+steps, time per step), and, for a run that skipped steps, which parameters'
+gradients were not finite and whether the loss was; it writes a PNG of the
+loss curves. On a CPU, XLA emulates float8
 (the operands are converted to float32 before each product): the numbers
 are float8's, the time per step is not a GPU's.
 
@@ -55,7 +57,7 @@ def run(name, cfg, model, batches, val_tokens, progress):
   if RUNS[name] is None:
     tx, grad_fn = optax.adam(cfg.lr), None
   else:
-    tx = ols.dynamic_loss_scale(optax.adam(cfg.lr))
+    tx = ols.dynamic_loss_scale(optax.adam(cfg.lr), track_nonfinite=True)
     grad_fn = ols.value_and_grad(ols.autocast(loss, **RUNS[name]))
 
   @jax.jit
@@ -64,7 +66,10 @@ def run(name, cfg, model, batches, val_tokens, progress):
       value, grads = jax.value_and_grad(loss)(params, tokens)
     else:
       value, grads = grad_fn(opt_state, params, tokens)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    # The loss goes to a loss-scaled update too: its record tells a loss that
+    # is itself not finite from gradients that overflowed.
+    extra = {} if grad_fn is None else {"value": value}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
     return optax.apply_updates(params, updates), opt_state, value
 
   # Validation in float32 on the trained float32 parameters, for every run.
@@ -88,6 +93,7 @@ def run(name, cfg, model, batches, val_tokens, progress):
     val=val_loss,
     acc=val_acc,
     skipped=skipped,
+    report=None if RUNS[name] is None else ols.nonfinite_report(opt_state),
     step_ms=1e3 * float(np.median(times[1:])),  # the first step compiles
   )
 
@@ -170,6 +176,9 @@ def main(argv=None):
     f"computed in float32. ms/step: median train-step time on {jax.devices()[0]} "
     "(float8 is emulated on a CPU)."
   )
+  for r in results:
+    if r["skipped"]:
+      print(f"\nwhere the gradients were not finite, {r['name']}:\n{r['report']}")
   path = os.path.join(cfg.out, "lm_float8.png")
   plot(results, cfg, path)
   print(f"plot: {path}\ntotal time: {time.perf_counter() - t0:.1f} s")

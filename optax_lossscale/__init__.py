@@ -41,6 +41,11 @@ from optax_lossscale._overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._policy import Policy as Policy
 from optax_lossscale._policy import default_half_dtype as default_half_dtype
 from optax_lossscale._policy import get_policy as get_policy
+from optax_lossscale._report import LeafReport as LeafReport
+from optax_lossscale._report import NonFiniteReport as NonFiniteReport
+from optax_lossscale._report import NonFiniteStepsError as NonFiniteStepsError
+from optax_lossscale._report import check_skipped_steps as check_skipped_steps
+from optax_lossscale._report import nonfinite_report as nonfinite_report
 from optax_lossscale._rounding import KahanSummationState as KahanSummationState
 from optax_lossscale._rounding import (
   StochasticRoundingState as StochasticRoundingState,
@@ -48,11 +53,10 @@ from optax_lossscale._rounding import (
 from optax_lossscale._rounding import kahan_summation as kahan_summation
 from optax_lossscale._rounding import stochastic_rounding as stochastic_rounding
 from optax_lossscale._skip import SkipFallbackWarning as SkipFallbackWarning
-from optax_lossscale._state import NonFiniteStepsError as NonFiniteStepsError
-from optax_lossscale._state import check_skipped_steps as check_skipped_steps
 from optax_lossscale._state import diagnostics as diagnostics
 from optax_lossscale._state import find_loss_scale_state as find_loss_scale_state
 from optax_lossscale._state import get_scale as get_scale
+from optax_lossscale._telemetry import NonFiniteRecord as NonFiniteRecord
 from optax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
 from optax_lossscale._transform import static_loss_scale as static_loss_scale
 from optax_lossscale._transform import with_loss_scale as with_loss_scale
@@ -74,8 +78,11 @@ __all__ = (
   "LossScale",
   "LossScaleConfig",
   "LossScaleOptimizer",
+  "LeafReport",
   "LossScaleState",
   "NoOpLossScale",
+  "NonFiniteRecord",
+  "NonFiniteReport",
   "NonFiniteStepsError",
   "Policy",
   "SkipFallbackWarning",
@@ -98,6 +105,7 @@ __all__ = (
   "get_policy",
   "get_scale",
   "kahan_summation",
+  "nonfinite_report",
   "scale_loss",
   "set_learning_rate",
   "static_loss_scale",

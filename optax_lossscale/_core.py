@@ -4,7 +4,8 @@ Everything that loss scaling computes is written here once, and every entry
 point (the optax transformations, the ``LossScale`` objects, the Keras-style
 facade, the Flax helpers) calls these functions:
 
-* :func:`all_finite`: are all floating entries of a tree finite?
+* :func:`all_finite` (from ``_finite``): are all floating entries of a
+  tree finite?
 * :func:`unscale`: a gradient tree divided by the loss scale, in float32.
 * :func:`reduce_flag`: a finite flag ANDed across devices.
 * :func:`unscale_and_check`: the three above, as an update step needs them.
@@ -22,11 +23,15 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from optax_lossscale._config import LossScaleConfig
+from optax_lossscale._finite import FINITE_CHECK_CHUNK as FINITE_CHECK_CHUNK
+from optax_lossscale._finite import all_finite as all_finite
+from optax_lossscale._finite import array_leaves as array_leaves
+from optax_lossscale._finite import is_array as is_array
+from optax_lossscale._finite import is_float_array as is_float_array
 
 __all__ = [
   "COUNTER_FIELDS",
@@ -41,15 +46,13 @@ __all__ = [
   "reduce_flag",
   "scale_value",
   "unscale",
+  "unscale_all",
   "unscale_and_check",
+  "varying_axes",
 ]
 
 _F32 = jnp.float32
 _I32 = jnp.int32
-
-#: Leaves of one size and dtype added together before one reduction in
-#: :func:`all_finite` (BENCHMARKS.md has the measurements behind it).
-FINITE_CHECK_CHUNK = 32
 
 
 class LossScaleState(NamedTuple):
@@ -67,6 +70,9 @@ class LossScaleState(NamedTuple):
     consecutive_skips: int32, skipped steps in a row (0 after an applied step).
     inner_state: the state of the wrapped transformation (``None`` in a
       ``LossScale`` object, which wraps none).
+    nonfinite: where the gradients were not finite, a
+      :class:`NonFiniteRecord` when the transformation was built with
+      ``track_nonfinite=True``, else ``None``.
   """
 
   loss_scale: jax.Array
@@ -75,13 +81,16 @@ class LossScaleState(NamedTuple):
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
   inner_state: Any = None
+  nonfinite: Any = None
 
 
 #: The fields of :class:`LossScaleState` that :func:`adjust` updates.
-COUNTER_FIELDS = LossScaleState._fields[:-1]
+COUNTER_FIELDS = LossScaleState._fields[:5]
 
 
-def initial_state(config: LossScaleConfig, inner_state: Any = None) -> LossScaleState:
+def initial_state(
+  config: LossScaleConfig, inner_state: Any = None, nonfinite: Any = None
+) -> LossScaleState:
   """A fresh state (new buffers on every call, safe to donate)."""
   return LossScaleState(
     loss_scale=jnp.asarray(config.initial_scale, _F32),
@@ -90,152 +99,13 @@ def initial_state(config: LossScaleConfig, inner_state: Any = None) -> LossScale
     skipped_steps=jnp.zeros([], _I32),
     consecutive_skips=jnp.zeros([], _I32),
     inner_state=inner_state,
+    nonfinite=nonfinite,
   )
 
 
 # --------------------------------------------------------------------------
-# The finite check, the unscale and the flag reduction.
+# The unscale and the flag reduction.
 # --------------------------------------------------------------------------
-
-
-def is_array(x: Any) -> bool:
-  """A JAX or NumPy array (or scalar); ``None`` and other leaves are not."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def is_float_array(x: Any) -> bool:
-  """A leaf that loss scaling touches: an array of a floating dtype."""
-  # float0, integer and bool arrays are not `inexact`.
-  return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
-  """The leaves of ``tree``, all of them arrays (``None`` is no leaf).
-
-  Raises:
-    ValueError: a leaf is not an array (a Python number, a string, ...),
-      naming its path: loss scaling cannot unscale or check it, and passing
-      it through would apply it unscaled.
-  """
-  leaves = jax.tree.leaves(tree)
-  if all(is_array(x) for x in leaves):
-    return leaves
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if not is_array(x):
-      raise ValueError(
-        f"The {what} leaf at {jax.tree_util.keystr(path) or '<root>'} is a "
-        f"{type(x).__name__} ({x!r}), not an array: loss scaling can neither "
-        "unscale nor check it. Make it an array (jnp.asarray), or leave it out "
-        "of the tree (None)."
-      )
-  raise AssertionError("unreachable")
-
-
-#: Unsigned integer dtypes of the float widths whose bits are tested directly.
-_UINT = {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
-
-
-#: Leaves of at most this many entries, in groups of fewer than
-#: :data:`CONCAT_MAX_GROUP` leaves of one size, are checked concatenated.
-CONCAT_MAX_SIZE = 1 << 16
-CONCAT_MAX_GROUP = 4
-
-
-def _concatenated(size: int, count: int) -> bool:
-  return 0 < size <= CONCAT_MAX_SIZE and count < CONCAT_MAX_GROUP
-
-
-def _tested(x: jax.Array) -> jax.Array:
-  """``x`` in a dtype whose bits :func:`_exponent_bits` tests.
-
-  float16, bfloat16, float32 and float64 as they are; other floating dtypes
-  (float8 formats, whose all-ones exponent can be finite) in float32, which
-  is exact and keeps ``inf`` and NaN.
-  """
-  if x.dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
-    return x
-  return x.astype(_F32)
-
-
-def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
-  """``(x's exponent bits as unsigned integers, the all-ones exponent)``.
-
-  An IEEE float is ``inf`` or NaN exactly when its exponent bits are all
-  ones. Integer ``&``, ``max`` and ``==`` cannot be folded by any
-  floating-point simplification (fast-math flags fold ``x - x`` to 0 and
-  ``isnan`` to false), so the test holds whatever flags XLA runs with.
-  """
-  info = jnp.finfo(x.dtype)
-  uint = _UINT[info.bits]
-  mask = ((1 << info.nexp) - 1) << info.nmant
-  return lax.bitcast_convert_type(x, uint) & np.asarray(mask, uint), mask
-
-
-def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
-  """Whether every element of every floating leaf of ``tree`` is finite.
-
-  ``None``, ``optax.MaskedNode`` and integer, boolean and ``float0`` arrays
-  are ignored; an empty tree is finite. Complex leaves are checked in both
-  parts. A leaf that is not an array (a Python number) is a ``ValueError``
-  naming it.
-
-  Each entry's exponent bits are tested as an unsigned integer (all ones:
-  ``inf`` or NaN), so no compiler flag, fast-math included, can fold the
-  check away. Leaves of one size and dtype are combined by an elementwise
-  integer maximum, ``chunk`` at a time, before one reduction: each entry is
-  read once, and the number of kernels (and XLA's compile time) grows with
-  the number of groups, not of leaves. The other chunks' verdicts are
-  folded into the smallest chunk before its reduction, so the flag is one
-  reduction's output (BENCHMARKS.md says why, and what the check costs).
-
-  Args:
-    tree: a pytree, typically of gradients.
-    chunk: leaves combined before one reduction.
-
-  Returns:
-    A scalar boolean array.
-
-  Example:
-    >>> import jax.numpy as jnp, optax_lossscale as ols
-    >>> bool(ols.all_finite({"w": jnp.ones(3), "n": None}))
-    True
-    >>> bool(ols.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
-    False
-  """
-  groups: dict[tuple[int, Any], list[jax.Array]] = {}
-  for x in array_leaves(tree):
-    if not is_float_array(x):
-      continue
-    x = jnp.ravel(x)
-    for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
-      part = _tested(part)
-      groups.setdefault((part.size, part.dtype), []).append(part)
-  # Small leaves of sizes that few other leaves share are concatenated, per
-  # dtype, into one array: one reduction for them all. Each would otherwise
-  # be a reduction of its own, and XLA's compile time grows much faster than
-  # the number of reductions next to the skip's selects (BENCHMARKS.md). The
-  # bits are tested after the concatenation: XLA splits a reduction of a
-  # concatenation back into one reduction per operand.
-  small: dict[Any, list[jax.Array]] = {}
-  for key in [k for k, v in groups.items() if _concatenated(k[0], len(v))]:
-    small.setdefault(key[1], []).extend(groups.pop(key))
-  for dtype, parts in small.items():
-    groups[(-1, dtype)] = [jnp.concatenate(parts)]
-  chunks = []  # (the elementwise maximum of up to `chunk` leaves, all ones)
-  for (size, _), parts in groups.items():
-    for i in range(0, len(parts) if size else 0, chunk):
-      acc, mask = _exponent_bits(parts[i])
-      for part in parts[i + 1 : i + chunk]:
-        acc = jnp.maximum(acc, _exponent_bits(part)[0])
-      chunks.append((acc, mask))
-  if not chunks:
-    return jnp.array(True)
-  receiver, mask = min(chunks, key=lambda c: c[0].size)
-  others = [jnp.max(c) == m for c, m in chunks if c is not receiver]
-  if others:
-    bad = jnp.any(jnp.stack(others))
-    receiver = jnp.maximum(receiver, jnp.where(bad, mask, 0).astype(receiver.dtype))
-  return jnp.max(receiver) != mask
 
 
 def unscale(tree: Any, loss_scale: Any) -> Any:
@@ -266,6 +136,13 @@ def unscale(tree: Any, loss_scale: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
+def unscale_all(tree: Any, loss_scale: Any, factor: float | None = None) -> Any:
+  """:func:`unscale` by ``loss_scale``, then by ``factor`` (the Keras facade's
+  ``loss_scale_factor``) unless it is ``None``."""
+  tree = unscale(tree, loss_scale)
+  return tree if factor is None else unscale(tree, factor)
+
+
 def scale_value(loss: Any, loss_scale: Any) -> jax.Array:
   """``loss * loss_scale`` in at least float32 (a float16 loss would overflow)."""
   loss = jnp.asarray(loss)
@@ -274,7 +151,7 @@ def scale_value(loss: Any, loss_scale: Any) -> jax.Array:
   return loss.astype(dtype) * jnp.asarray(loss_scale, _F32).astype(dtype)
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
   """The ``shard_map`` mesh axes along which ``x`` differs between devices.
 
   ``shard_map`` (with its default ``check_vma=True``) types every value with
@@ -301,7 +178,7 @@ def reduce_flag(flag: jax.Array, axis_name: Any) -> jax.Array:
   if axis_name is not None:
     any_bad = lax.psum(jnp.logical_not(flag).astype(_I32), axis_name)
     flag = any_bad == 0
-  varying = _varying_axes(flag)
+  varying = varying_axes(flag)
   if varying:
     axes = ", ".join(repr(a) for a in sorted(varying, key=str))
     raise ValueError(
@@ -342,9 +219,7 @@ def unscale_and_check(
   array_leaves(scaled_grads)  # refused by name, whatever the configuration
   if config.noop:
     return scaled_grads, jnp.array(True)
-  grads = unscale(scaled_grads, loss_scale)
-  if factor is not None:
-    grads = unscale(grads, factor)
+  grads = unscale_all(scaled_grads, loss_scale, factor)
   shrinks = config.min_scale >= 1.0 and (factor is None or factor >= 1.0)
   checked = scaled_grads if shrinks else grads
   return grads, reduce_flag(all_finite(checked), axis_name)

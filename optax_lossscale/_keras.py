@@ -8,7 +8,6 @@ For people porting TensorFlow or Keras code: every knob of
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -86,6 +85,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     max_scale: ceiling of the dynamic scale.
     hysteresis: non-finite steps tolerated before backing off.
     axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
+    track_nonfinite: record which gradient leaves were not finite, and
+      whether the loss was (see :func:`nonfinite_report`); off by default.
 
   Raises:
     ValueError: any invalid argument; the message names it.
@@ -123,6 +124,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     max_scale: float = _config.DEFAULT_MAX_SCALE,
     hysteresis: int = 1,
     axis_name: Any = None,
+    track_nonfinite: bool = False,
   ):
     inner, inner_config = _optimizers.inner_spec(inner_optimizer)
     if not isinstance(dynamic, bool):
@@ -213,9 +215,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       ).gradient_transformation()
     # The factor is divided out with the loss scale, before the finite check,
     # so the check sees what is applied.
-    check = functools.partial(_core.unscale_and_check, factor=loss_scale_factor)
     tx = _transform.loss_scale_transformation(
-      body, scale.config, axis_name=axis_name, check=check
+      body,
+      scale.config,
+      axis_name=axis_name,
+      factor=loss_scale_factor,
+      track_nonfinite=track_nonfinite,
     )
 
     self = super().__new__(cls, tx.init, tx.update)
@@ -239,6 +244,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "max_scale": scale.config.max_scale if dynamic else _config.DEFAULT_MAX_SCALE,
       "hysteresis": scale.config.hysteresis,
       "axis_name": axis_name,
+      "track_nonfinite": track_nonfinite,
     }
     return self
 
@@ -310,15 +316,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     Flax's float8 overwrite leaves (new values, not gradients) are returned
     as they are, as ``update`` takes them.
     """
-    factors = [_state.get_scale(state), self._loss_scale_factor]
-
-    def unscaled(regular):
-      for factor in factors:
-        if factor is not None:
-          regular = _core.unscale(regular, factor)
-      return regular
-
-    return _overwrite.on_regular_leaves(unscaled, grads, state)
+    scale = _state.get_scale(state)
+    return _overwrite.on_regular_leaves(
+      lambda regular: _core.unscale_all(regular, scale, self._loss_scale_factor),
+      grads,
+      state,
+    )
 
   @staticmethod
   def check_finite(grads: Any) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Reading a loss scale out of an optimizer state: the scale, diagnostics, alarms.
+"""Reading a loss scale out of an optimizer state: the scale and its counters.
 
 The state may sit anywhere in a nested optax state (``chain``,
 ``MultiSteps``, ``inject_hyperparams``, ``masked``, …), or in a Flax
@@ -12,15 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
-from optax_lossscale import _config, _core, _validate
+from optax_lossscale import _core
 from optax_lossscale._core import LossScaleState
 from optax_lossscale._loss_scale import LossScale
 
 __all__ = [
-  "NonFiniteStepsError",
-  "check_skipped_steps",
   "counters",
   "diagnostics",
   "find_all",
@@ -190,68 +187,3 @@ def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
   out = {f: getattr(c, f) for f in _core.COUNTER_FIELDS}
   out["last_step_skipped"] = c.consecutive_skips > 0
   return out
-
-
-class NonFiniteStepsError(FloatingPointError):
-  """Too many skipped steps in a row: see the message for the likely cause."""
-
-
-def check_skipped_steps(
-  opt_state_or_diagnostics: Any,
-  *,
-  max_consecutive_skips: int = 32,
-  min_scale: float = _config.DEFAULT_MIN_SCALE,
-) -> None:
-  """Host-side: raises once ``max_consecutive_skips`` steps in a row were skipped.
-
-  Call it outside ``jax.jit`` every few steps (it fetches three scalars, a
-  host sync): the counters live in the state, so nothing is missed between
-  calls. A few skips in a row are normal (the scale backing off after an
-  overflow, about ``log2(scale / min_scale)`` of them at most); a run that
-  keeps skipping once the scale has reached ``min_scale`` produces NaN or
-  ``inf`` by itself, whatever the scale, and no loss scale can fix it.
-
-  Args:
-    opt_state_or_diagnostics: anything :func:`get_scale` accepts, or the
-      dict :func:`diagnostics` returned (fetched or not).
-    max_consecutive_skips: the limit, >= 1.
-    min_scale: the floor the loss scale was built with (for the message).
-
-  Raises:
-    NonFiniteStepsError: the limit was reached; the message says whether the
-      scale is at its floor (the model produces NaN/inf) or still backing off.
-    ValueError: a bad argument, or called on traced values inside ``jit``.
-  """
-  limit = _validate.as_int("max_consecutive_skips", max_consecutive_skips)
-  if limit < 1:
-    raise ValueError(f"`max_consecutive_skips` must be >= 1, got {limit}.")
-  d = opt_state_or_diagnostics
-  if not (isinstance(d, dict) and "consecutive_skips" in d):
-    d = diagnostics(d)
-  values = (d["consecutive_skips"], d["loss_scale"], d["skipped_steps"])
-  if any(isinstance(v, jax.core.Tracer) for v in values):
-    raise ValueError(
-      "check_skipped_steps is a host-side check: call it outside jax.jit, on "
-      "the state (or diagnostics) the step returned."
-    )
-  consecutive, scale, total = (np.asarray(v).item() for v in jax.device_get(values))
-  if consecutive < limit:
-    return
-  if scale <= min_scale:
-    cause = (
-      f"The loss scale is at its floor ({scale:g} <= min_scale={min_scale:g}) "
-      "and the gradients are still not finite: the model produces NaN or inf "
-      "at every scale (a NaN input or label, log(0), a division by zero, a "
-      "learning rate that made the parameters diverge), not a float16 "
-      "overflow that a smaller scale would fix."
-    )
-  else:
-    cause = (
-      f"The loss scale is {scale:g} and still backing off: the gradients "
-      "overflow at every scale tried so far. If this persists down to "
-      "min_scale, the model itself produces NaN or inf."
-    )
-  raise NonFiniteStepsError(
-    f"{consecutive} steps in a row were skipped for non-finite gradients "
-    f"({total} skipped in total; limit max_consecutive_skips={limit}). {cause}"
-  )

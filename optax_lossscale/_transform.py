@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _config, _core, _overwrite, _skip, _state
+from optax_lossscale import _config, _core, _overwrite, _skip, _state, _telemetry
 from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._core import LossScaleState
 from optax_lossscale._loss_scale import LossScale
@@ -87,18 +87,24 @@ def loss_scale_transformation(
   axis_name: Any = None,
   check: Callable[..., tuple[Any, jax.Array]] = _core.unscale_and_check,
   skip: Callable[..., tuple[Any, Any]] = _skip.apply_or_skip,
+  factor: float | None = None,
+  track_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """The loss-scaled transformation for a validated ``config``.
 
   What :func:`with_loss_scale` and its two shorthands return. ``check`` and
   ``skip`` are the core's ``unscale_and_check`` and the skip's
   ``apply_or_skip``, with the same signatures; ``benchmarks/bench.py``
-  passes other designs in their place to measure them.
+  passes other designs in their place to measure them. ``factor`` is the
+  Keras facade's ``loss_scale_factor``, divided out after the scale;
+  ``track_nonfinite`` keeps a :class:`NonFiniteRecord` in the state.
   """
   if not (
     callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
   ):
     raise ValueError(f"`inner` must be an optax GradientTransformation, got {inner!r}.")
+  if not isinstance(track_nonfinite, bool):
+    raise ValueError(f"`track_nonfinite` must be a bool, got {track_nonfinite!r}.")
   inner = optax.with_extra_args_support(inner)
   # The inner transformation on the other leaves, when the parameters hold
   # leaves that Flax overwrites with their new value (float8 meta).
@@ -120,7 +126,8 @@ def loss_scale_transformation(
         "dynamic_loss_scale(optax.adam(1e-3)); LossScaleOptimizer and "
         "enable_mixed_precision add their own, so give them the bare one too."
       )
-    return _core.initial_state(config, inner_state)
+    record = _telemetry.initial_record(params) if track_nonfinite else None
+    return _core.initial_state(config, inner_state, record)
 
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, LossScaleState):
@@ -130,23 +137,50 @@ def loss_scale_transformation(
         "state produced by another optimizer?"
       )
     _check_grads_match(updates, params)
+    if track_nonfinite and state.nonfinite is None:
+      raise ValueError(
+        "This loss scale was built with track_nonfinite=True but the state "
+        "holds no non-finite record: it was made by a loss scale without it. "
+        "Init a fresh state with this optimizer (or restore into one)."
+      )
+    scale = state.loss_scale
     mask = _overwrite.state_mask(state.inner_state, updates)
     if mask is None:
       body = inner
       _check_inner_state(inner, state.inner_state, updates, params)
-      grads, finite = check(updates, state.loss_scale, config, axis_name)
+      grads, finite = check(updates, scale, config, axis_name, factor=factor)
     else:
       # Overwrite leaves: not unscaled, not seen by `inner`, but checked.
       body = overwriting
       regular, values = _overwrite.split(updates, mask)
       regular_params = None if params is None else _overwrite.split(params, mask)[0]
       _check_inner_state(inner, state.inner_state.inner_state, regular, regular_params)
-      grads, finite = check(regular, state.loss_scale, config, axis_name)
+      grads, finite = check(regular, scale, config, axis_name, factor=factor)
       if not config.noop:
         values_finite = _core.reduce_flag(_overwrite.all_finite(values), axis_name)
         finite = jnp.logical_and(finite, values_finite)
       grads = _overwrite.merge(grads, values)
     new_state, should_apply = _core.adjust(state, finite, config)
+    if track_nonfinite:
+      if config.noop:  # nothing was checked: check for the record alone
+        finite = _core.reduce_flag(_core.all_finite(updates), axis_name)
+
+      def unscaled(g):  # what the check read, computed again in the branch
+        if mask is None:
+          return _core.unscale_all(g, scale, factor)
+        regular, values = _overwrite.split(g, mask)
+        return _overwrite.merge(_core.unscale_all(regular, scale, factor), values)
+
+      record = _telemetry.note(
+        state.nonfinite,
+        finite,
+        updates,
+        unscaled,
+        extra_args.get("value"),
+        scale,
+        axis_name,
+      )
+      new_state = new_state._replace(nonfinite=record)
     if config.skip_nonfinite:
       new_updates, new_inner = skip(
         body, should_apply, grads, state.inner_state, params, extra_args
@@ -165,6 +199,7 @@ def with_loss_scale(
   loss_scale: LossScale,
   *,
   axis_name: Any = None,
+  track_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps ``inner`` with the loss scale ``loss_scale`` (any kind).
 
@@ -196,6 +231,10 @@ def with_loss_scale(
       ``init`` starts from fresh counters.
     axis_name: the mapped axis (``pmap``/``shard_map``) to AND the finite flag
       over, so that every replica takes the same decision.
+    track_nonfinite: record, in the state, which gradient leaves were not
+      finite on which steps, NaN or infinity, and whether the loss (passed
+      to ``update`` as ``value=``) was itself not finite; read it with
+      :func:`nonfinite_report`. Finite steps do none of this work.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -206,7 +245,9 @@ def with_loss_scale(
       "`loss_scale` must be a DynamicLossScale, StaticLossScale or "
       f"NoOpLossScale, got {loss_scale!r}."
     )
-  return loss_scale_transformation(inner, loss_scale.config, axis_name=axis_name)
+  return loss_scale_transformation(
+    inner, loss_scale.config, axis_name=axis_name, track_nonfinite=track_nonfinite
+  )
 
 
 def dynamic_loss_scale(
@@ -220,6 +261,7 @@ def dynamic_loss_scale(
   max_scale: float = _config.DEFAULT_MAX_SCALE,
   hysteresis: int = 1,
   axis_name: Any = None,
+  track_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling around any optax transformation.
 
@@ -239,6 +281,10 @@ def dynamic_loss_scale(
     max_scale: ceiling of the scale (finite).
     hysteresis: non-finite steps tolerated before backing off.
     axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
+    track_nonfinite: record, in the state, which gradient leaves were not
+      finite on which steps, NaN or infinity, and whether the loss (passed
+      to ``update`` as ``value=``) was itself not finite; read it with
+      :func:`nonfinite_report`. Finite steps do none of this work.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its ``update`` takes
@@ -274,7 +320,9 @@ def dynamic_loss_scale(
     max_scale,
     hysteresis,
   )
-  return loss_scale_transformation(inner, config, axis_name=axis_name)
+  return loss_scale_transformation(
+    inner, config, axis_name=axis_name, track_nonfinite=track_nonfinite
+  )
 
 
 def static_loss_scale(
@@ -283,6 +331,7 @@ def static_loss_scale(
   *,
   skip_nonfinite: bool = True,
   axis_name: Any = None,
+  track_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """A fixed loss scale around any optax transformation.
 
@@ -295,10 +344,16 @@ def static_loss_scale(
     skip_nonfinite: skip non-finite steps (default). ``False`` applies every
       step, as TF's ``FixedLossScale`` does.
     axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
+    track_nonfinite: record, in the state, which gradient leaves were not
+      finite on which steps, NaN or infinity, and whether the loss (passed
+      to ``update`` as ``value=``) was itself not finite; read it with
+      :func:`nonfinite_report`. Finite steps do none of this work.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
     :class:`LossScaleState`.
   """
   config = _config.static_config(scale, skip_nonfinite)
-  return loss_scale_transformation(inner, config, axis_name=axis_name)
+  return loss_scale_transformation(
+    inner, config, axis_name=axis_name, track_nonfinite=track_nonfinite
+  )

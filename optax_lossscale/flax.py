@@ -78,15 +78,18 @@ class LossScaleTrainState(train_state.TrainState):
       **kwargs,
     )
 
-  def apply_gradients(self, *, grads, **kwargs):
+  def apply_gradients(self, *, grads, value=None, **kwargs):
     """Applies gradients of the scaled loss (unless the step is skipped).
 
     ``grads`` have the tree of ``params``. Leaves of Flax's
     ``_overwrite_with_gradient`` collection are overwritten with their new
     values (:func:`optax_lossscale.apply_overwrites`), the others updated by
-    ``tx``.
+    ``tx``. ``value``, the loss, goes to ``tx.update`` as ``value=`` when
+    given (a loss scale built with ``track_nonfinite=True`` records whether
+    it was finite); other keyword arguments replace fields, as in Flax.
     """
-    updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params)
+    extra = {} if value is None else {"value": value}
+    updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params, **extra)
     new_params = _overwrite.apply_overwrites(
       optax.apply_updates(self.params, updates), new_opt_state
     )

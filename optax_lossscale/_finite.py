@@ -1,0 +1,252 @@
+"""The finite check, and the classification of what is not finite, on float bits.
+
+:func:`all_finite` is the loss scale's check (one fused reduction over a
+whole tree); :func:`nonfinite_kinds` says, leaf by leaf, whether a tree
+holds NaN, infinities or both (what the non-finite record and the reports
+name). Both test each entry's exponent bits as unsigned integers, so that no
+compiler flag, fast-math included, can fold them away.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = [
+  "CONCAT_MAX_SIZE",
+  "FINITE_CHECK_CHUNK",
+  "INF",
+  "KINDS_STACK_MAX_SIZE",
+  "NAN",
+  "all_finite",
+  "array_leaves",
+  "is_array",
+  "is_float_array",
+  "nonfinite_kinds",
+]
+
+_F32 = jnp.float32
+
+#: Leaves of one size and dtype added together before one reduction in
+#: :func:`all_finite` (BENCHMARKS.md has the measurements behind it).
+FINITE_CHECK_CHUNK = 32
+
+
+def is_array(x: Any) -> bool:
+  """A JAX or NumPy array (or scalar); ``None`` and other leaves are not."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def is_float_array(x: Any) -> bool:
+  """A leaf that loss scaling touches: an array of a floating dtype."""
+  # float0, integer and bool arrays are not `inexact`.
+  return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
+  """The leaves of ``tree``, all of them arrays (``None`` is no leaf).
+
+  Raises:
+    ValueError: a leaf is not an array (a Python number, a string, ...),
+      naming its path: loss scaling cannot unscale or check it, and passing
+      it through would apply it unscaled.
+  """
+  leaves = jax.tree.leaves(tree)
+  if all(is_array(x) for x in leaves):
+    return leaves
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not is_array(x):
+      raise ValueError(
+        f"The {what} leaf at {jax.tree_util.keystr(path) or '<root>'} is a "
+        f"{type(x).__name__} ({x!r}), not an array: loss scaling can neither "
+        "unscale nor check it. Make it an array (jnp.asarray), or leave it out "
+        "of the tree (None)."
+      )
+  raise AssertionError("unreachable")
+
+
+#: Unsigned integer dtypes of the float widths whose bits are tested directly.
+_UINT = {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+
+
+#: Leaves of at most this many entries, in groups of fewer than
+#: :data:`CONCAT_MAX_GROUP` leaves of one size, are checked concatenated.
+CONCAT_MAX_SIZE = 1 << 16
+CONCAT_MAX_GROUP = 4
+
+
+def _concatenated(size: int, count: int) -> bool:
+  return 0 < size <= CONCAT_MAX_SIZE and count < CONCAT_MAX_GROUP
+
+
+def _tested(x: jax.Array) -> jax.Array:
+  """``x`` in a dtype whose bits :func:`_exponent_bits` tests.
+
+  float16, bfloat16, float32 and float64 as they are; other floating dtypes
+  (float8 formats, whose all-ones exponent can be finite) in float32, which
+  is exact and keeps ``inf`` and NaN.
+  """
+  if x.dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
+    return x
+  return x.astype(_F32)
+
+
+def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
+  """``(x's exponent bits as unsigned integers, the all-ones exponent)``.
+
+  An IEEE float is ``inf`` or NaN exactly when its exponent bits are all
+  ones. Integer ``&``, ``max`` and ``==`` cannot be folded by any
+  floating-point simplification (fast-math flags fold ``x - x`` to 0 and
+  ``isnan`` to false), so the test holds whatever flags XLA runs with.
+  """
+  info = jnp.finfo(x.dtype)
+  uint = _UINT[info.bits]
+  mask = ((1 << info.nexp) - 1) << info.nmant
+  return lax.bitcast_convert_type(x, uint) & np.asarray(mask, uint), mask
+
+
+def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
+  """Whether every element of every floating leaf of ``tree`` is finite.
+
+  ``None``, ``optax.MaskedNode`` and integer, boolean and ``float0`` arrays
+  are ignored; an empty tree is finite. Complex leaves are checked in both
+  parts. A leaf that is not an array (a Python number) is a ``ValueError``
+  naming it.
+
+  Each entry's exponent bits are tested as an unsigned integer (all ones:
+  ``inf`` or NaN), so no compiler flag, fast-math included, can fold the
+  check away. Leaves of one size and dtype are combined by an elementwise
+  integer maximum, ``chunk`` at a time, before one reduction: each entry is
+  read once, and the number of kernels (and XLA's compile time) grows with
+  the number of groups, not of leaves. The other chunks' verdicts are
+  folded into the smallest chunk before its reduction, so the flag is one
+  reduction's output (BENCHMARKS.md says why, and what the check costs).
+
+  Args:
+    tree: a pytree, typically of gradients.
+    chunk: leaves combined before one reduction.
+
+  Returns:
+    A scalar boolean array.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lossscale as ols
+    >>> bool(ols.all_finite({"w": jnp.ones(3), "n": None}))
+    True
+    >>> bool(ols.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
+    False
+  """
+  groups: dict[tuple[int, Any], list[jax.Array]] = {}
+  for x in array_leaves(tree):
+    if not is_float_array(x):
+      continue
+    x = jnp.ravel(x)
+    for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
+      part = _tested(part)
+      groups.setdefault((part.size, part.dtype), []).append(part)
+  # Small leaves of sizes that few other leaves share are concatenated, per
+  # dtype, into one array: one reduction for them all. Each would otherwise
+  # be a reduction of its own, and XLA's compile time grows much faster than
+  # the number of reductions next to the skip's selects (BENCHMARKS.md). The
+  # bits are tested after the concatenation: XLA splits a reduction of a
+  # concatenation back into one reduction per operand.
+  small: dict[Any, list[jax.Array]] = {}
+  for key in [k for k, v in groups.items() if _concatenated(k[0], len(v))]:
+    small.setdefault(key[1], []).extend(groups.pop(key))
+  for dtype, parts in small.items():
+    groups[(-1, dtype)] = [jnp.concatenate(parts)]
+  chunks = []  # (the elementwise maximum of up to `chunk` leaves, all ones)
+  for (size, _), parts in groups.items():
+    for i in range(0, len(parts) if size else 0, chunk):
+      acc, mask = _exponent_bits(parts[i])
+      for part in parts[i + 1 : i + chunk]:
+        acc = jnp.maximum(acc, _exponent_bits(part)[0])
+      chunks.append((acc, mask))
+  if not chunks:
+    return jnp.array(True)
+  receiver, mask = min(chunks, key=lambda c: c[0].size)
+  others = [jnp.max(c) == m for c, m in chunks if c is not receiver]
+  if others:
+    bad = jnp.any(jnp.stack(others))
+    receiver = jnp.maximum(receiver, jnp.where(bad, mask, 0).astype(receiver.dtype))
+  return jnp.max(receiver) != mask
+
+
+#: Bits of :func:`nonfinite_kinds`' codes: the leaf holds a NaN, an infinity.
+NAN = 1
+INF = 2
+
+#: Leaves of at most this many entries are classified stacked (padded, by
+#: dtype and power-of-two size), one reduction per stack; larger ones are
+#: reduced where they lie, so the copies stay small.
+KINDS_STACK_MAX_SIZE = 1 << 12
+
+
+def _kind_codes(x: jax.Array, axis: int | None = None) -> jax.Array:
+  """``NAN | INF`` bits (uint8) of the entries of ``x``, combined along ``axis``.
+
+  An IEEE float's bits without the sign, as an unsigned integer, equal the
+  all-ones exponent exactly for an infinity and exceed it for a NaN. Each
+  bit is a maximum of its own (not a bitwise-or reduction, which sharded
+  arrays would turn into an all-reduce that collectives do not implement).
+  """
+  bits, mask = _exponent_bits(x)
+  uint = bits.dtype
+  magnitude = lax.bitcast_convert_type(x, uint) & np.asarray(
+    (1 << (jnp.finfo(x.dtype).bits - 1)) - 1, uint
+  )
+  mask = np.asarray(mask, uint)
+  nan = jnp.max((magnitude > mask).astype(jnp.uint8), axis=axis)
+  inf = jnp.max((magnitude == mask).astype(jnp.uint8), axis=axis)
+  return nan * np.uint8(NAN) | inf * np.uint8(INF)
+
+
+def nonfinite_kinds(leaves: list[Any]) -> jax.Array:
+  """What each leaf holds that is not finite: a uint8 vector of ``NAN | INF`` bits.
+
+  Entry ``i`` is 0 when ``leaves[i]`` is finite (or not floating), and has
+  the :data:`NAN` bit when it holds a NaN and the :data:`INF` bit when it
+  holds an infinity. Complex leaves are read in both parts; float8 leaves
+  in float32 (exact). Small leaves are stacked by dtype and power-of-two
+  size, so the number of reductions (and XLA's compile time) grows with the
+  number of such classes, not of leaves.
+
+  Args:
+    leaves: arrays (``jax.tree.leaves`` of a tree).
+
+  Returns:
+    A ``uint8`` array of shape ``(len(leaves),)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_lossscale import _finite
+    >>> _finite.nonfinite_kinds([jnp.ones(2), jnp.array([jnp.nan, jnp.inf])])
+    Array([0, 3], dtype=uint8)
+  """
+  pieces, order = [], []
+  stacks: dict[tuple[Any, int], list[tuple[int, jax.Array]]] = {}
+  for i, x in enumerate(leaves):
+    if not is_float_array(x) or x.size == 0:
+      continue
+    x = jnp.ravel(x)
+    if jnp.iscomplexobj(x):
+      x = jnp.concatenate([jnp.real(x), jnp.imag(x)])
+    x = _tested(x)
+    if x.size > KINDS_STACK_MAX_SIZE:
+      pieces.append(_kind_codes(x)[None])
+      order.append(i)
+    else:
+      width = 1 << (x.size - 1).bit_length()
+      stacks.setdefault((x.dtype, width), []).append((i, x))
+  for (_, width), items in stacks.items():
+    rows = jnp.stack([jnp.pad(x, (0, width - x.size)) for _, x in items])
+    pieces.append(_kind_codes(rows, axis=1))
+    order.extend(i for i, _ in items)
+  kinds = jnp.zeros(len(leaves), jnp.uint8)
+  if pieces:
+    kinds = kinds.at[np.asarray(order)].set(jnp.concatenate(pieces))
+  return kinds

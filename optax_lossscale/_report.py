@@ -1,0 +1,295 @@
+"""Host-side reports: skipped steps in a row, and where the gradients were not finite.
+
+:func:`check_skipped_steps` raises once a run keeps skipping; with a
+:class:`NonFiniteRecord` in the state (``track_nonfinite=True``) its message
+names the leaves. :func:`nonfinite_report` turns the record into a
+:class:`NonFiniteReport`: which parameters' gradients were NaN or infinite,
+how often, most frequent first, and whether the loss itself was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from optax_lossscale import _config, _finite, _state, _telemetry, _validate
+from optax_lossscale._loss_scale import LossScale
+
+__all__ = [
+  "LeafReport",
+  "NonFiniteReport",
+  "NonFiniteStepsError",
+  "check_skipped_steps",
+  "nonfinite_report",
+]
+
+
+class NonFiniteStepsError(FloatingPointError):
+  """Too many skipped steps in a row: see the message for the likely cause."""
+
+
+def check_skipped_steps(
+  opt_state_or_diagnostics: Any,
+  *,
+  max_consecutive_skips: int = 32,
+  min_scale: float = _config.DEFAULT_MIN_SCALE,
+) -> None:
+  """Host-side: raises once ``max_consecutive_skips`` steps in a row were skipped.
+
+  Call it outside ``jax.jit`` every few steps (it fetches three scalars, a
+  host sync): the counters live in the state, so nothing is missed between
+  calls. A few skips in a row are normal (the scale backing off after an
+  overflow, about ``log2(scale / min_scale)`` of them at most); a run that
+  keeps skipping once the scale has reached ``min_scale`` produces NaN or
+  ``inf`` by itself, whatever the scale, and no loss scale can fix it.
+
+  Args:
+    opt_state_or_diagnostics: anything :func:`get_scale` accepts, or the
+      dict :func:`diagnostics` returned (fetched or not).
+    max_consecutive_skips: the limit, >= 1.
+    min_scale: the floor the loss scale was built with (for the message).
+
+  Raises:
+    NonFiniteStepsError: the limit was reached; the message says whether the
+      scale is at its floor (the model produces NaN/inf) or still backing off
+      and, given a state with a non-finite record (``track_nonfinite=True``),
+      which leaves were not finite on the last skipped step and whether the
+      loss itself was.
+    ValueError: a bad argument, or called on traced values inside ``jit``.
+  """
+  limit = _validate.as_int("max_consecutive_skips", max_consecutive_skips)
+  if limit < 1:
+    raise ValueError(f"`max_consecutive_skips` must be >= 1, got {limit}.")
+  d = opt_state_or_diagnostics
+  record = None
+  if not (isinstance(d, dict) and "consecutive_skips" in d):
+    record = _record(d, required=False)
+    d = _state.diagnostics(d)
+  values = (d["consecutive_skips"], d["loss_scale"], d["skipped_steps"])
+  if any(isinstance(v, jax.core.Tracer) for v in values):
+    raise ValueError(
+      "check_skipped_steps is a host-side check: call it outside jax.jit, on "
+      "the state (or diagnostics) the step returned."
+    )
+  consecutive, scale, total = (np.asarray(v).item() for v in jax.device_get(values))
+  if consecutive < limit:
+    return
+  if scale <= min_scale:
+    cause = (
+      f"The loss scale is at its floor ({scale:g} <= min_scale={min_scale:g}) "
+      "and the gradients are still not finite: the model produces NaN or inf "
+      "at every scale (a NaN input or label, log(0), a division by zero, a "
+      "learning rate that made the parameters diverge), not a float16 "
+      "overflow that a smaller scale would fix."
+    )
+  else:
+    cause = (
+      f"The loss scale is {scale:g} and still backing off: the gradients "
+      "overflow at every scale tried so far. If this persists down to "
+      "min_scale, the model itself produces NaN or inf."
+    )
+  where = "" if record is None else " " + _last_step_text(_report(record, None))
+  raise NonFiniteStepsError(
+    f"{consecutive} steps in a row were skipped for non-finite gradients "
+    f"({total} skipped in total; limit max_consecutive_skips={limit}). {cause}"
+    f"{where}"
+  )
+
+
+def _kind(bits: int) -> str | None:
+  """``'NaN'``, ``'inf'``, ``'NaN and inf'`` for the record's bits; ``None`` for 0."""
+  names = [n for b, n in ((_finite.NAN, "NaN"), (_finite.INF, "inf")) if bits & b]
+  return " and ".join(names) or None
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafReport:
+  """One parameter's gradient in a :class:`NonFiniteReport`.
+
+  Attributes:
+    path: the parameter's path, ``'Block_3/Dense_0/kernel'``.
+    steps: non-finite updates on which its gradient held NaN or an infinity.
+    nan_steps: those on which it held a NaN.
+    inf_steps: those on which it held an infinity.
+    last: what it held on the last non-finite update (``'NaN'``, ``'inf'``,
+      ``'NaN and inf'``), ``None`` if it was finite then.
+  """
+
+  path: str
+  steps: int
+  nan_steps: int
+  inf_steps: int
+  last: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteReport:
+  """Where a run's gradients were not finite; ``str()`` of it is a readable table.
+
+  Attributes:
+    steps: updates recorded.
+    nonfinite_steps: updates whose gradients were not all finite.
+    loss_steps: of those, the ones whose loss was itself NaN or infinite
+      (counted only when ``update`` was given the loss as ``value=``).
+    last_step: the index (from 0) of the last non-finite update, ``None``
+      if there was none.
+    last_scale: the loss scale its gradients were computed with.
+    last_loss: its loss: ``'finite'``, ``'NaN'``, ``'inf'``, or ``None``
+      when ``update`` was not given it.
+    leaves: the leaves that were ever not finite, most frequent first (then
+      in the parameters' order).
+  """
+
+  steps: int
+  nonfinite_steps: int
+  loss_steps: int
+  last_step: int | None
+  last_scale: float | None
+  last_loss: str | None
+  leaves: tuple[LeafReport, ...]
+
+  def format(self, top: int | None = 20) -> str:
+    """The report as text, at most ``top`` leaves (``None``: all)."""
+    if not self.nonfinite_steps:
+      return f"All {self.steps} updates recorded had finite gradients."
+    head = f"Non-finite gradients on {self.nonfinite_steps} of {self.steps} updates"
+    if self.last_loss is not None:  # the loss was given to update
+      head += f"; the loss itself was NaN or inf on {self.loss_steps} of them"
+    lines = [head + ".", _last_step_text(self), ""]
+    shown = self.leaves if top is None else self.leaves[:top]
+    width = max([len(leaf.path) for leaf in shown] + [4])
+    lines.append(f"{'leaf':<{width}}  steps    NaN    inf  last")
+    for leaf in shown:
+      lines.append(
+        f"{leaf.path:<{width}}  {leaf.steps:>5}  {leaf.nan_steps:>5}  "
+        f"{leaf.inf_steps:>5}  {leaf.last or '-'}"
+      )
+    if len(shown) < len(self.leaves):
+      lines.append(f"... and {len(self.leaves) - len(shown)} more leaves.")
+    return "\n".join(lines)
+
+  def __str__(self) -> str:
+    return self.format()
+
+
+def _last_step_text(report: NonFiniteReport) -> str:
+  """One or two sentences on the last non-finite update."""
+  if report.last_step is None:
+    return "No update had non-finite gradients."
+  last = [leaf for leaf in report.leaves if leaf.last]
+  named = ", ".join(f"{leaf.path} ({leaf.last})" for leaf in last[:8])
+  if len(last) > 8:
+    named += f" and {len(last) - 8} more"
+  text = (
+    f"The last non-finite update (number {report.last_step}, loss scale "
+    f"{report.last_scale:g}) was not finite in {named or 'no leaf'}"
+  )
+  if report.last_loss is None:
+    return text + " (the loss was not given to update as value=)."
+  if report.last_loss == "finite":
+    return text + (
+      "; its loss was finite: only the gradients were not (an overflow, which "
+      "a smaller loss scale fixes unless it persists at min_scale)."
+    )
+  return text + (
+    f"; its loss itself was {report.last_loss}: the model produced it, "
+    "whatever the loss scale."
+  )
+
+
+def _record(opt_state: Any, required: bool = True) -> Any:
+  """The :class:`NonFiniteRecord` in ``opt_state`` (arrays fetched), or ``None``."""
+  found = _state.find_loss_scale_state(opt_state)
+  record = None if isinstance(found, LossScale) else _state.unwrap(found.nonfinite)
+  if record is None:
+    if required:
+      raise ValueError(
+        "This optimizer state holds no non-finite record: build the loss "
+        "scale with track_nonfinite=True (dynamic_loss_scale, "
+        "static_loss_scale, with_loss_scale, LossScaleOptimizer)."
+      )
+    return None
+  record = _state.unwrap_variables(record)
+  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(record)):
+    raise ValueError(
+      "The non-finite report is read on the host: call it outside jax.jit, "
+      "on the state the step returned."
+    )
+  return jax.device_get(record)
+
+
+def _report(record: Any, params: Any) -> NonFiniteReport:
+  paths = record.paths
+  if params is not None:
+    paths = _telemetry.leaf_paths(params, is_leaf=_state.is_variable)
+    if len(paths) != len(record.paths):
+      raise ValueError(
+        f"`params` has {len(paths)} leaves but the record was made for "
+        f"{len(record.paths)} ({', '.join(record.paths[:4])}, ...): pass the "
+        "parameters the optimizer was initialised with."
+      )
+  counts = [
+    np.asarray(getattr(record, f))
+    for f in ("leaf_steps", "leaf_nan_steps", "leaf_inf_steps", "last_leaves")
+  ]
+  leaves = [
+    LeafReport(
+      paths[i],
+      int(counts[0][i]),
+      int(counts[1][i]),
+      int(counts[2][i]),
+      _kind(int(counts[3][i])),
+    )
+    for i in range(len(paths))
+    if counts[0][i] > 0
+  ]
+  leaves.sort(key=lambda leaf: -leaf.steps)  # stable: the parameters' order next
+  last_step = int(record.last_step)
+  loss = int(record.last_loss)
+  return NonFiniteReport(
+    steps=int(record.steps),
+    nonfinite_steps=int(record.nonfinite_steps),
+    loss_steps=int(record.loss_steps),
+    last_step=None if last_step < 0 else last_step,
+    last_scale=None if last_step < 0 else float(record.last_scale),
+    last_loss=None if loss < 0 else (_kind(loss) or "finite"),
+    leaves=tuple(leaves),
+  )
+
+
+def nonfinite_report(opt_state: Any, params: Any = None) -> NonFiniteReport:
+  """Which parameters' gradients were not finite, how often, and the loss.
+
+  Host-side (it fetches the record: call it outside ``jax.jit``, when a
+  step was skipped or at the end of a run). The optimizer must have been
+  built with ``track_nonfinite=True``; the loss is told apart from the
+  gradients when ``update`` is given it as ``value=``.
+
+  Args:
+    opt_state: anything :func:`get_scale` accepts (an optax state, a Flax
+      ``TrainState`` or ``nnx.Optimizer``).
+    params: optional, the parameters, to name the leaves by their paths in
+      this tree instead of the ones recorded by ``init`` (same leaves).
+
+  Returns:
+    A :class:`NonFiniteReport`; ``print`` it for a table.
+
+  Raises:
+    ValueError: the state holds no record, ``params`` has other leaves, or
+      the call is inside ``jax.jit``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lossscale as ols
+    >>> tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+    >>> params = {"dense": {"kernel": jnp.ones(2), "bias": jnp.ones(1)}}
+    >>> state = tx.init(params)
+    >>> grads = {"dense": {"kernel": jnp.array([1.0, jnp.inf]), "bias": jnp.ones(1)}}
+    >>> _, state = tx.update(grads, state, params, value=jnp.float32(2.0))
+    >>> report = ols.nonfinite_report(state)
+    >>> report.leaves[0].path, report.leaves[0].last, report.last_loss
+    ('dense/kernel', 'inf', 'finite')
+  """
+  return _report(_record(opt_state), params)

@@ -1,0 +1,216 @@
+"""Where the gradients were not finite: a per-leaf record kept in the loss-scale state.
+
+A loss scale built with ``track_nonfinite=True`` keeps a
+:class:`NonFiniteRecord` in its state: for each gradient leaf, on how many
+steps it held NaN or an infinity, and what it held on the last such step;
+and for the loss (passed to ``update`` as ``value=``) whether it was itself
+not finite. :func:`note` writes it inside the step, inside a ``lax.cond`` on
+the finite flag the check already computed, so a finite step runs none of
+the per-leaf work; :func:`nonfinite_report` reads it on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_lossscale import _core, _finite, _state
+
+__all__ = ["NonFiniteRecord", "initial_record", "leaf_paths", "note"]
+
+_I32 = jnp.int32
+#: ``last_loss`` when the loss was not given to ``update`` (``value=``).
+LOSS_UNKNOWN = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteRecord:
+  """Which gradient leaves were not finite, and on which steps.
+
+  A pytree: the arrays are its leaves (they survive ``jax.jit``, Orbax and
+  sharding like any state), ``paths`` is static metadata (the parameter
+  paths, recorded by ``init``). Bits in the ``last_*`` fields:
+  1 = NaN, 2 = infinity, 3 = both.
+
+  Attributes:
+    steps: int32, updates seen since ``init``.
+    nonfinite_steps: int32, updates whose gradients were not all finite.
+    loss_steps: int32, of those, the ones whose loss was itself not finite.
+    last_step: int32, the index (from 0) of the last non-finite update; -1
+      before the first.
+    last_scale: float32, the loss scale that produced its gradients.
+    last_loss: int8, its loss's bits (0: finite); -1 when the loss was not
+      passed to ``update`` as ``value=``.
+    leaf_steps: int32 per leaf, non-finite updates on which it held NaN or
+      an infinity.
+    leaf_nan_steps: int32 per leaf, those on which it held a NaN.
+    leaf_inf_steps: int32 per leaf, those on which it held an infinity.
+    last_leaves: uint8 per leaf, its bits on the last non-finite update.
+    paths: the leaves' paths in the parameter tree (``'Block_0/Dense_1/kernel'``).
+  """
+
+  steps: jax.Array
+  nonfinite_steps: jax.Array
+  loss_steps: jax.Array
+  last_step: jax.Array
+  last_scale: jax.Array
+  last_loss: jax.Array
+  leaf_steps: jax.Array
+  leaf_nan_steps: jax.Array
+  leaf_inf_steps: jax.Array
+  last_leaves: jax.Array
+  paths: tuple[str, ...]
+
+  def replace(self, **changes: Any) -> NonFiniteRecord:
+    return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+  NonFiniteRecord,
+  data_fields=[f.name for f in dataclasses.fields(NonFiniteRecord)][:-1],
+  meta_fields=["paths"],
+)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "idx", "name"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def leaf_paths(tree: Any, is_leaf: Any = None) -> tuple[str, ...]:
+  """Each leaf's path in ``tree`` as ``'a/b/0/kernel'``, as Flax prints them."""
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  return tuple("/".join(_key_name(k) for k in path) or "<root>" for path, _ in flat)
+
+
+def initial_record(params: Any) -> NonFiniteRecord:
+  """A fresh record for gradients shaped like ``params`` (one entry per leaf)."""
+  paths = leaf_paths(params, is_leaf=_state.is_variable)  # nnx: not '.../value'
+  n = len(paths)
+  return NonFiniteRecord(
+    steps=jnp.zeros([], _I32),
+    nonfinite_steps=jnp.zeros([], _I32),
+    loss_steps=jnp.zeros([], _I32),
+    last_step=jnp.full([], -1, _I32),
+    last_scale=jnp.zeros([], jnp.float32),
+    last_loss=jnp.full([], LOSS_UNKNOWN, jnp.int8),
+    leaf_steps=jnp.zeros([n], _I32),
+    leaf_nan_steps=jnp.zeros([n], _I32),
+    leaf_inf_steps=jnp.zeros([n], _I32),
+    last_leaves=jnp.zeros([n], jnp.uint8),
+    paths=paths,
+  )
+
+
+def _increment(count: jax.Array, where: Any = True) -> jax.Array:
+  """``count + 1`` where ``where``, saturating at the int32 maximum."""
+  top = jnp.iinfo(count.dtype).max
+  return jnp.where(jnp.logical_and(where, count < top), count + 1, count)
+
+
+def _any_device(kinds: jax.Array, axis_name: Any) -> jax.Array:
+  """``kinds`` OR-ed over ``axis_name``: what any device saw, on every device."""
+  if axis_name is None:
+    return kinds
+  bits = jnp.stack([kinds & _finite.NAN, kinds & _finite.INF]).astype(_I32)
+  bits = lax.psum(bits, axis_name) > 0
+  return (bits[0] * _finite.NAN | bits[1] * _finite.INF).astype(kinds.dtype)
+
+
+def _checked_loss(value: Any, axis_name: Any) -> jax.Array:
+  """``value`` as a floating array, the same on every device that decides."""
+  given = value
+  try:
+    value = jnp.asarray(value)
+  except TypeError:
+    value = None
+  if value is None or not jnp.issubdtype(value.dtype, jnp.inexact):
+    got = type(given).__name__ if value is None else value.dtype
+    raise ValueError(
+      "`value` (the loss given to update) must be a floating array or "
+      f"number, got {got}."
+    )
+  named = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+  varying = _core.varying_axes(value) - named
+  if varying:
+    raise ValueError(
+      "`value` (the loss given to update) differs between devices along the "
+      f"shard_map mesh axis/axes {', '.join(map(repr, sorted(varying, key=str)))}: "
+      "give the mean loss (lax.pmean), or name the axes in axis_name."
+    )
+  return value
+
+
+def note(
+  record: NonFiniteRecord,
+  finite: jax.Array,
+  grads: Any,
+  checked: Callable[[Any], Any],
+  value: Any,
+  loss_scale: jax.Array,
+  axis_name: Any = None,
+) -> NonFiniteRecord:
+  """``record`` after one update whose gradients were finite or not.
+
+  On a non-finite update (``finite`` false) each leaf of
+  ``checked(grads)`` is classified (:func:`_finite.nonfinite_kinds`) and
+  counted, and so is ``value``, the loss, unless it is ``None``. That work
+  sits in the non-finite branch of a ``lax.cond``: a finite update only
+  counts itself.
+
+  Args:
+    record: the record so far.
+    finite: the step's finite flag, already the same on every device.
+    grads: the gradients as ``update`` received them.
+    checked: what the finite check read, as a function of ``grads`` (the
+      unscaled gradients); called inside the branch, so nothing it computes
+      runs on finite steps.
+    value: the loss, or ``None``.
+    loss_scale: the scale the gradients were computed with.
+    axis_name: the mapped axis the gradients are split over: what any device
+      saw is recorded on all.
+
+  Raises:
+    ValueError: the gradients have another number of leaves than the
+      parameters the record was made for, or the loss is not floating.
+  """
+  n = len(jax.tree.leaves(grads))
+  if n != len(record.paths):
+    raise ValueError(
+      f"The gradients have {n} leaves but the non-finite record was made for "
+      f"{len(record.paths)} (the parameters given to init): pass gradients "
+      "shaped like those parameters."
+    )
+  if value is not None:
+    value = _checked_loss(value, axis_name)
+
+  def nonfinite(r):
+    leaves = jax.tree.leaves(checked(grads))
+    extra = [] if value is None else [value]
+    kinds = _any_device(_finite.nonfinite_kinds(leaves + extra), axis_name)
+    leaf, loss = kinds[: len(leaves)], kinds[len(leaves) :]
+    if value is None:
+      loss_bits = jnp.full([], LOSS_UNKNOWN, jnp.int8)
+    else:
+      loss_bits = loss[0].astype(jnp.int8)
+    return r.replace(
+      nonfinite_steps=_increment(r.nonfinite_steps),
+      loss_steps=_increment(r.loss_steps, loss_bits > 0),
+      last_step=r.steps,
+      last_scale=jnp.asarray(loss_scale, jnp.float32),
+      last_loss=loss_bits,
+      leaf_steps=_increment(r.leaf_steps, leaf != 0),
+      leaf_nan_steps=_increment(r.leaf_nan_steps, (leaf & _finite.NAN) != 0),
+      leaf_inf_steps=_increment(r.leaf_inf_steps, (leaf & _finite.INF) != 0),
+      last_leaves=leaf,
+    )
+
+  record = lax.cond(finite, lambda r: r, nonfinite, record)
+  return record.replace(steps=_increment(record.steps))

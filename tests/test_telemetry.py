@@ -1,0 +1,370 @@
+"""track_nonfinite: which gradient leaves were not finite, NaN or inf, and the loss.
+
+The record is written inside the step, only in the non-finite branch of a
+``lax.cond`` (checked in the compiled HLO); ``nonfinite_report`` names the
+leaves by their paths; ``check_skipped_steps`` names them too.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from xla_costs import reductions
+
+import optax_lossscale as ols
+from optax_lossscale import _finite
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam
+
+NAN, INF = jnp.nan, jnp.inf
+
+
+def _params():
+  return {
+    "encoder": {"kernel": jnp.ones((3, 4)), "bias": jnp.zeros(4)},
+    "head": [jnp.ones((4, 2)), jnp.zeros(2)],
+  }
+
+
+def _grads(**poison):
+  """Gradients of ones, with ``{'encoder/kernel': value}`` entries set."""
+  grads = jax.tree.map(jnp.ones_like, _params())
+  flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+  leaves = []
+  for path, g in flat:
+    name = "/".join(str(getattr(k, "key", getattr(k, "idx", ""))) for k in path)
+    values = poison.get(name.replace("/", "__"), ())
+    for i, v in enumerate(np.atleast_1d(values)):
+      g = g.reshape(-1).at[i].set(v).reshape(g.shape)
+    leaves.append(g)
+  return jax.tree.unflatten(jax.tree.structure(grads), leaves)
+
+
+def _run(tx, steps, params=None):
+  """Runs ``tx`` jitted on ``steps`` of ``(grads, value)``; the last state."""
+  params = _params() if params is None else params
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for grads, value in steps:
+    kwargs = {} if value is None else {"value": value}
+    _, state = update(grads, state, params, **kwargs)
+  return state
+
+
+def test_nan_and_infinity_are_told_apart_and_counted():
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=True)
+  state = _run(
+    tx,
+    [
+      (_grads(), 1.0),
+      (_grads(encoder__kernel=NAN, head__1=INF), 1.0),
+      (_grads(), 1.0),
+      (_grads(encoder__kernel=[INF, NAN]), 1.0),
+    ],
+  )
+  report = ols.nonfinite_report(state)
+  assert (report.steps, report.nonfinite_steps, report.loss_steps) == (4, 2, 0)
+  assert report.last_step == 3 and report.last_loss == "finite"
+  assert report.last_scale == 2.0**14  # the scale after one backoff
+  got = {leaf.path: leaf for leaf in report.leaves}
+  assert list(got) == ["encoder/kernel", "head/1"]  # most frequent first
+  assert got["encoder/kernel"] == ols.LeafReport(
+    "encoder/kernel", 2, 2, 1, "NaN and inf"
+  )
+  assert got["head/1"] == ols.LeafReport("head/1", 1, 0, 1, None)
+  text = str(report)
+  assert "Non-finite gradients on 2 of 4 updates" in text
+  assert "number 3, loss scale 16384" in text and "encoder/kernel (NaN and inf)" in text
+  assert "head/1" in text.split("\n\n")[1]  # in the table
+
+
+def test_the_record_changes_nothing_else_bit_for_bit():
+  steps = [
+    (_grads(), 1.0),
+    (_grads(head__0=NAN), 1.0),
+    (_grads(), 1.0),
+    (_grads(encoder__bias=INF), NAN),
+  ] + [(_grads(), 1.0)] * 3
+
+  def run(track):
+    tx = ols.dynamic_loss_scale(
+      optax.adam(1e-2), growth_interval=2, track_nonfinite=track
+    )
+    params, state = _params(), tx.init(_params())
+    update = jax.jit(tx.update)
+    for grads, value in steps:
+      updates, state = update(grads, state, params, value=value)
+      params = optax.apply_updates(params, updates)
+    return params, state
+
+  params_on, on = run(True)
+  params_off, off = run(False)
+  chex.assert_trees_all_equal(params_on, params_off)
+  chex.assert_trees_all_equal(on._replace(nonfinite=None), off)
+  assert off.nonfinite is None and int(on.nonfinite.steps) == len(steps)
+
+
+def test_a_nan_loss_is_told_apart_from_overflowing_gradients():
+  """A model that is NaN by itself vs a float16 overflow the scale fixes."""
+  params = {"w": jnp.full(4, 0.5, jnp.float16)}
+  tx = ols.dynamic_loss_scale(
+    optax.sgd(0.1), initial_scale=2.0**24, max_scale=2.0**24, track_nonfinite=True
+  )
+  state = tx.init(params)
+
+  def loss_fn(p, x):
+    return jnp.sum((p["w"] * x).astype(jnp.float32) ** 2)
+
+  @jax.jit
+  def step(state, x):
+    loss, grads = ols.value_and_grad(loss_fn)(state, params, x)
+    _, state = tx.update(grads, state, params, value=loss)
+    return state
+
+  x = jnp.full(4, 100.0, jnp.float16)
+  state = step(state, x)  # the float16 gradients overflow at 2**24
+  report = ols.nonfinite_report(state)
+  assert report.last_loss == "finite" and report.loss_steps == 0
+  assert report.leaves[0].path == "w" and report.leaves[0].last == "inf"
+  assert "only the gradients were not" in str(report)
+
+  state = step(state, x.at[0].set(jnp.nan))  # the model is NaN by itself
+  report = ols.nonfinite_report(state)
+  assert report.last_loss == "NaN" and report.loss_steps == 1
+  # (the other entries still overflow at 2**23)
+  assert report.nonfinite_steps == 2 and report.leaves[0].last == "NaN and inf"
+  assert "its loss itself was NaN: the model produced it" in str(report)
+
+
+def test_without_the_loss_the_report_says_so():
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  state = _run(tx, [(_grads(head__0=NAN), None)])
+  report = ols.nonfinite_report(state)
+  assert report.last_loss is None and report.loss_steps == 0
+  assert "the loss was not given to update as value=" in str(report)
+  assert ols.nonfinite_report(_run(tx, [(_grads(), None)])).format() == (
+    "All 1 updates recorded had finite gradients."
+  )
+
+
+def test_a_nan_in_one_flax_leaf_is_named_by_its_path():
+  nn = pytest.importorskip("flax.linen")
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8)(nn.relu(nn.Dense(8)(x)))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(4):
+        x = Block()(x)
+      return nn.Dense(1)(x)
+
+  model = Model()
+  x = jnp.ones((2, 8))
+  variables = model.init(jax.random.key(0), x)
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=True)
+  state = tx.init(variables)
+
+  @jax.jit
+  def step(variables, state):
+    loss_fn = lambda v: jnp.mean(model.apply(v, x) ** 2)  # noqa: E731
+    loss, grads = ols.value_and_grad(loss_fn)(state, variables)
+    kernel = grads["params"]["Block_3"]["Dense_0"]["kernel"]
+    grads["params"]["Block_3"]["Dense_0"]["kernel"] = kernel.at[2, 5].set(jnp.nan)
+    _, state = tx.update(grads, state, variables, value=loss)
+    return state
+
+  state = step(variables, state)
+  report = ols.nonfinite_report(state)
+  assert [leaf.path for leaf in report.leaves] == ["params/Block_3/Dense_0/kernel"]
+  assert report.leaves[0].last == "NaN" and report.last_loss == "finite"
+  # Named the same by the parameters given to the report.
+  assert ols.nonfinite_report(state, variables) == report
+  with pytest.raises(ValueError, match="has 1 leaves but the record was made for 18"):
+    ols.nonfinite_report(state, {"w": jnp.ones(1)})
+
+
+def test_the_per_leaf_reductions_run_only_in_the_nonfinite_branch():
+  """In the compiled step: no reduction added outside the conditional."""
+  params = {f"w{i}": jnp.ones((i + 3, 5)) for i in range(6)}
+  params["big"] = jnp.ones((300, 300))
+  params["half"] = jnp.ones(64, jnp.float16)
+
+  def compiled(track):
+    tx = ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=track)
+    update = lambda g, s, p: tx.update(g, s, p, value=jnp.float32(1.0))  # noqa: E731
+    return jax.jit(update).lower(params, tx.init(params), params).compile()
+
+  off, on = (reductions(compiled(t).as_text()) for t in (False, True))
+  assert off[1] == 0  # no conditional without the record
+  assert on[0] == off[0]  # the finite path: the same reductions
+  assert on[1] >= 3  # the classification: the big leaf, a stack per class, the loss
+
+
+def test_check_skipped_steps_names_the_leaves():
+  tx = ols.dynamic_loss_scale(
+    optax.sgd(0.1), initial_scale=4.0, min_scale=1.0, track_nonfinite=True
+  )
+  state = _run(tx, [(_grads(encoder__bias=[NAN, INF]), NAN)] * 4)
+  with pytest.raises(ols.NonFiniteStepsError) as e:
+    ols.check_skipped_steps(state, max_consecutive_skips=4)
+  msg = str(e.value)
+  assert "at its floor" in msg
+  assert "was not finite in encoder/bias (NaN and inf)" in msg
+  assert "its loss itself was NaN" in msg
+  # Without a record (or from the diagnostics) the message names no leaf.
+  plain = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0)
+  with pytest.raises(ols.NonFiniteStepsError) as e:
+    ols.check_skipped_steps(
+      _run(plain, [(_grads(encoder__bias=NAN), None)] * 4), max_consecutive_skips=4
+    )
+  assert "encoder" not in str(e.value)
+
+
+def test_the_keras_facade_records_what_its_check_read():
+  """A float16 gradient finite as scaled, infinite once divided by the factor."""
+  opt = ols.LossScaleOptimizer(
+    "sgd",
+    initial_scale=1.0,
+    min_scale=2.0**-4,
+    loss_scale_factor=0.25,
+    track_nonfinite=True,
+  )
+  assert opt.get_config()["track_nonfinite"] is True
+  assert ols.LossScaleOptimizer.from_config(opt.get_config()).track_nonfinite
+  params = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.float16)}
+  state = opt.init(params)
+  update = jax.jit(opt.update)
+  finite = {"a": jnp.ones(2, jnp.float16), "b": jnp.full(2, 1e4, jnp.float16)}
+  _, state = update(finite, state, params)  # 1e4 / 0.25 = 4e4: finite
+  assert ols.nonfinite_report(state).nonfinite_steps == 0
+  # 6e4 is finite in float16, 6e4 / 0.25 = 2.4e5 is not: the step is skipped
+  # and the record names the leaf that the unscaled check found infinite.
+  _, state = update({**finite, "b": jnp.full(2, 6e4, jnp.float16)}, state, params)
+  report = ols.nonfinite_report(state)
+  assert [(leaf.path, leaf.last) for leaf in report.leaves] == [("b", "inf")]
+  assert int(ols.diagnostics(state)["skipped_steps"]) == 1
+
+
+def test_noop_loss_scale_records_what_it_applies():
+  tx = ols.with_loss_scale(optax.sgd(0.1), ols.NoOpLossScale(), track_nonfinite=True)
+  state = _run(tx, [(_grads(), 1.0), (_grads(head__1=NAN), NAN)])
+  report = ols.nonfinite_report(state)
+  assert report.nonfinite_steps == 1 and report.loss_steps == 1
+  assert report.leaves[0].path == "head/1" and report.last_scale == 1.0
+
+
+def test_flax_float8_overwrite_leaves_are_named_too():
+  params = {
+    "params": {"Dense_0": {"kernel": jnp.ones((2, 2))}},
+    "_overwrite_with_gradient": {"Dense_0": {"input_scale": jnp.ones(1)}},
+  }
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  grads = jax.tree.map(jnp.ones_like, params)
+  grads["_overwrite_with_gradient"]["Dense_0"]["input_scale"] = jnp.array([jnp.inf])
+  state = _run(tx, [(grads, 1.0)], params)
+  report = ols.nonfinite_report(state)
+  assert [leaf.path for leaf in report.leaves] == [
+    "_overwrite_with_gradient/Dense_0/input_scale"
+  ]
+
+
+def test_vmap_with_an_axis_name_records_on_every_member():
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), axis_name="i", track_nonfinite=True)
+  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  state = tx.init(params)
+  grads = {"a": jnp.ones((4, 3)).at[2, 1].set(jnp.nan), "b": jnp.ones((4, 2))}
+  states = jax.vmap(lambda g: tx.update(g, state, params)[1], axis_name="i")(grads)
+  np.testing.assert_array_equal(states.nonfinite.leaf_nan_steps, [[1, 0]] * 4)
+
+
+def test_classification_of_every_float_dtype():
+  leaves = [
+    jnp.ones(3),
+    jnp.array([NAN, INF, 1.0]),
+    jnp.array([1, 2]),
+    jnp.zeros((0, 3)),
+    jnp.array([-INF], jnp.float16),
+    jnp.array([NAN], jnp.bfloat16),
+    jnp.full(_finite.KINDS_STACK_MAX_SIZE + 1, -NAN),
+    jnp.ones(_finite.KINDS_STACK_MAX_SIZE + 1).at[-1].set(INF),
+    jnp.array([1 + 0j, complex(0.0, INF)]),
+    jnp.array([NAN], jnp.float8_e4m3fn),
+    jnp.array([INF], jnp.float8_e5m2),
+    jnp.array(7.0),
+  ]
+  kinds = jax.jit(_finite.nonfinite_kinds)(leaves)
+  np.testing.assert_array_equal(kinds, [0, 3, 0, 0, 2, 1, 1, 2, 2, 1, 2, 0])
+  assert kinds.dtype == jnp.uint8
+
+
+def test_bad_inputs_are_clear_errors():
+  with pytest.raises(ValueError, match="`track_nonfinite` must be a bool"):
+    ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=1)
+  plain = ols.dynamic_loss_scale(optax.sgd(0.1))
+  tracked = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  params = _params()
+  with pytest.raises(ValueError, match="holds no non-finite record"):
+    tracked.update(_grads(), plain.init(params), params)
+  with pytest.raises(ValueError, match="build the loss scale with track_nonfinite"):
+    ols.nonfinite_report(plain.init(params))
+  with pytest.raises(ValueError, match="must be a floating array or number, got int32"):
+    tracked.update(_grads(), tracked.init(params), params, value=jnp.int32(1))
+  with pytest.raises(ValueError, match="floating array or number, got dict"):
+    tracked.update(_grads(), tracked.init(params), params, value={"loss": 1.0})
+  state = tracked.init(params)
+  with pytest.raises(
+    ValueError, match="have 3 leaves but the non-finite record was made for 4"
+  ):
+    tracked.update({"a": jnp.ones(1), "b": jnp.ones(1), "c": jnp.ones(1)}, state)
+  with pytest.raises(ValueError, match="outside jax.jit"):
+    jax.jit(lambda s: ols.nonfinite_report(s).steps)(state)
+  # A tracking state given to a plain loss scale keeps its record as it is.
+  _, kept = plain.update(_grads(head__0=NAN), state, params)
+  chex.assert_trees_all_equal(kept.nonfinite, state.nonfinite)
+
+
+def test_the_record_survives_an_orbax_round_trip(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=True)
+  state = _run(tx, [(_grads(encoder__kernel=NAN), 1.0), (_grads(), 1.0)])
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", state)
+  checkpointer.wait_until_finished()
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(_params()))
+  restored = checkpointer.restore(tmp_path / "ckpt", target)
+  checkpointer.close()
+  chex.assert_trees_all_equal(restored, state)
+  assert ols.nonfinite_report(restored) == ols.nonfinite_report(state)
+  # And it goes on counting.
+  _, restored = jax.jit(tx.update)(_grads(encoder__kernel=INF), restored, _params())
+  assert ols.nonfinite_report(restored).leaves[0].steps == 2
+
+
+def test_nnx_optimizer_reports_through_its_variables():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  grads = jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param))
+  grads["bias"] = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads["bias"])
+  optimizer.update(model, grads, value=jnp.float32(2.0))
+  report = ols.nonfinite_report(optimizer)
+  assert [(leaf.path, leaf.last) for leaf in report.leaves] == [("bias", "NaN")]
+
+
+def test_linen_train_state_passes_the_loss_on():
+  pytest.importorskip("flax")
+  from optax_lossscale.flax import LossScaleTrainState
+
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  state = LossScaleTrainState.create(apply_fn=None, params=_params(), tx=tx)
+  state = state.apply_gradients(grads=_grads(head__1=INF), value=jnp.float32(jnp.nan))
+  report = ols.nonfinite_report(state)
+  assert report.last_loss == "NaN" and report.leaves[0].path == "head/1"
+  assert int(state.step) == 0  # skipped
