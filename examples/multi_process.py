@@ -9,7 +9,9 @@ every process, parameters and optimizer state are replicated. At the
 data) gets a NaN. The run then checks that:
 
 * every process skipped the same steps and held the same scale and counters
-  after every step;
+  after every step, and the same record of where the gradients were not
+  finite (``track_nonfinite=True``: which leaves, NaN or inf), although only
+  one process's data held the NaN;
 * the parameters equal those of a single-process run of the same global
   batch, to 1e-4 of each leaf's largest entry (the gradients are summed in
   another order);
@@ -107,6 +109,8 @@ from train_digits import MLP, load_data, loss_fn  # noqa: E402
 import optax_lossscale as ols  # noqa: E402
 
 COUNTERS = ("loss_scale", "good_steps", "skipped_steps", "consecutive_skips")
+#: The non-finite record's fields compared: per leaf, and the loss.
+RECORD = ("leaf_nan_steps", "leaf_inf_steps", "last_leaves", "loss_steps")
 
 
 def local(x):
@@ -129,7 +133,10 @@ def train(args, process, processes):
   model = MLP(dtype=jnp.float32)
   params = model.init(jax.random.key(0), x_train[:1])["params"]
   tx = ols.dynamic_loss_scale(
-    optax.adam(1e-3), initial_scale=2.0**10, growth_interval=args.growth_interval
+    optax.adam(1e-3),
+    initial_scale=2.0**10,
+    growth_interval=args.growth_interval,
+    track_nonfinite=True,
   )
   params = jax.device_put(params, replicated)
   opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
@@ -139,13 +146,13 @@ def train(args, process, processes):
     loss, grads = ols.value_and_grad(lambda p: loss_fn(model, p, x, y))(
       opt_state, params
     )
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, value=loss)
     return optax.apply_updates(params, updates), opt_state, loss
 
   rows = args.batch // processes  # this process's rows of the global batch
   bad_row = args.bad_process * (args.batch // args.processes)
   rng = np.random.default_rng(0)  # every process draws the same global batch
-  history = {k: [] for k in ("loss", "scale_used", *COUNTERS, "agree")}
+  history = {k: [] for k in ("loss", "scale_used", *COUNTERS, *RECORD, "agree")}
   for i in range(args.steps):
     idx = rng.integers(0, len(x_train), args.batch)
     x, y = x_train[idx], y_train[idx]
@@ -159,12 +166,16 @@ def train(args, process, processes):
     params, opt_state, loss = step(params, opt_state, x, y)
     history["loss"].append(local(loss))
     d = ols.diagnostics(opt_state)
+    d.update({k: getattr(opt_state.nonfinite, k) for k in RECORD})
     # What each of this process's devices holds: they must agree.
     per_device = [
-      [np.asarray(s.data) for s in d[k].addressable_shards] for k in COUNTERS
+      [np.asarray(s.data) for s in d[k].addressable_shards]
+      for k in (*COUNTERS, *RECORD)
     ]
-    history["agree"].append(all(len({v.item() for v in vs}) == 1 for vs in per_device))
-    for k, vs in zip(COUNTERS, per_device, strict=True):
+    history["agree"].append(
+      all(all(np.array_equal(v, vs[0]) for v in vs) for vs in per_device)
+    )
+    for k, vs in zip((*COUNTERS, *RECORD), per_device, strict=True):
       history[k].append(vs[0])
     if i + 1 == args.save_at and processes > 1:
       checkpointer = ocp.StandardCheckpointer()
@@ -237,6 +248,13 @@ def compare(args):
     ),
     "the steps skipped are exactly the NaN steps": list(np.flatnonzero(skipped))
     == nan_at,
+    # The NaN input reached the loss and the kernels' gradients (not the
+    # biases': relu's gradient at NaN is 0) on those steps, and only then.
+    "every process holds the reference's non-finite record after every step": all(
+      np.array_equal(hist(r, k), hist(ref, k)) for r in runs for k in RECORD
+    )
+    and int(hist(ref, "leaf_nan_steps")[-1].max()) == len(nan_at)
+    and int(hist(ref, "loss_steps")[-1]) == len(nan_at),
     # The gradients are summed in another order over 4 devices than on one,
     # and Adam turns float32 rounding differences of near-zero gradients into
     # steps of the learning rate's size: compared to each leaf's largest entry.

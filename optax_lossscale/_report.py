@@ -64,9 +64,8 @@ def check_skipped_steps(
   if limit < 1:
     raise ValueError(f"`max_consecutive_skips` must be >= 1, got {limit}.")
   d = opt_state_or_diagnostics
-  record = None
-  if not (isinstance(d, dict) and "consecutive_skips" in d):
-    record = _record(d, required=False)
+  given_state = not (isinstance(d, dict) and "consecutive_skips" in d)
+  if given_state:
     d = _state.diagnostics(d)
   values = (d["consecutive_skips"], d["loss_scale"], d["skipped_steps"])
   if any(isinstance(v, jax.core.Tracer) for v in values):
@@ -91,6 +90,8 @@ def check_skipped_steps(
       "overflow at every scale tried so far. If this persists down to "
       "min_scale, the model itself produces NaN or inf."
     )
+  # The record (when kept) is fetched only now, for the message.
+  record = _record(opt_state_or_diagnostics, required=False) if given_state else None
   where = "" if record is None else " " + _last_step_text(_report(record, None))
   raise NonFiniteStepsError(
     f"{consecutive} steps in a row were skipped for non-finite gradients "

@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optax_lossscale import _core, _finite, _state
@@ -121,7 +122,8 @@ def _any_device(kinds: jax.Array, axis_name: Any) -> jax.Array:
     return kinds
   bits = jnp.stack([kinds & _finite.NAN, kinds & _finite.INF]).astype(_I32)
   bits = lax.psum(bits, axis_name) > 0
-  return (bits[0] * _finite.NAN | bits[1] * _finite.INF).astype(kinds.dtype)
+  nan = jnp.where(bits[0], np.uint8(_finite.NAN), np.uint8(0))
+  return nan | jnp.where(bits[1], np.uint8(_finite.INF), np.uint8(0))
 
 
 def _checked_loss(value: Any, axis_name: Any) -> jax.Array:

@@ -142,20 +142,25 @@ def test_train_entries_time_equivalent_steps(bench):
     np.testing.assert_allclose(scaled, plain, rtol=1e-6)
 
 
-@versions.examples
-@pytest.mark.slow
-def test_bf16_params_report_runs_and_adds_up(tmp_path):
-  import re
+def _quick_report(script, out):
+  """Runs ``benchmarks/SCRIPT --quick --out OUT``; the markdown it wrote."""
   import subprocess
 
-  out = tmp_path / "bf16.md"
   subprocess.run(
-    [sys.executable, os.path.join(_BENCH, "bf16_params.py"), "--quick", "--out", out],
+    [sys.executable, os.path.join(_BENCH, script), "--quick", "--out", out],
     check=True,
     capture_output=True,
     timeout=600,
   )
-  text = out.read_text()
+  return out.read_text()
+
+
+@versions.examples
+@pytest.mark.slow
+def test_bf16_params_report_runs_and_adds_up(tmp_path):
+  import re
+
+  text = _quick_report("bf16_params.py", tmp_path / "bf16.md")
   rows = re.findall(
     r"^\| (float32|bf16 [^|]+?) \| ([\d.]+) \| ([+-][\d.]+) \(.*?\) \| ([\d.]+)% \| "
     r"([+-][\d.]+) \(.*?\) \| ([\d.]+) \|$",
@@ -177,3 +182,25 @@ def test_bf16_params_report_runs_and_adds_up(tmp_path):
   )
   assert len(costs) == 6 and all(float(ms) > 0 for _, ms, _ in costs), text
   assert (tmp_path / "bf16.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_telemetry_benchmark_runs_and_reports_every_step(tmp_path):
+  import re
+
+  text = _quick_report("telemetry.py", tmp_path / "telemetry.md")
+  rows = dict(
+    re.findall(r"^\| ((?:adam|loss scale|record)[^|]*?) \| ([\d.]+) MB \|", text, re.M)
+  )
+  assert list(rows) == [
+    "adam",
+    "loss scale, record off",
+    "loss scale, record on",
+    "loss scale, record off, again",
+    "record on, every step non-finite",
+  ], text
+  # The same program twice: the same bytes; the record's branch adds some.
+  off, on = rows["loss scale, record off"], rows["loss scale, record on"]
+  assert off == rows["loss scale, record off, again"]
+  assert float(on) > float(off) and on == rows["record on, every step non-finite"]
+  assert len(re.findall(r"^\| (1|16) \| [\d.]+ s \| [\d.]+ s \|", text, re.M)) == 2

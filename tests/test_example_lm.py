@@ -56,6 +56,15 @@ def test_train_lm_example(tmp_path):
   assert scaled["lost"] < f16["lost"], stdout
   assert scaled["logit"] <= f16["logit"], stdout
   assert "before that step's adjustment" in stdout
+  # The loss-scaled run's non-finite record is printed when it skipped steps.
+  skipped = scaled["skipped"]
+  printed = "where the gradients were not finite, float16 + loss scale:" in stdout
+  assert printed == (skipped > 0), stdout
+  if skipped:
+    assert f"Non-finite gradients on {skipped} of 40 updates" in stdout, stdout
+    assert re.search(
+      r"^(embed|pos|block_\d|ln_out|head)/\S+ +\d+ +\d+ +\d+ +(NaN|inf)", stdout, re.M
+    ), stdout
   png = tmp_path / "lm_loss_scale.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -95,5 +104,8 @@ def test_train_lm_float8_example(tmp_path):
     assert r["gap"] == pytest.approx(r["val"] - rows["float32"]["val"], abs=2e-4)
     assert r["points"] == pytest.approx(r["acc"] - rows["float32"]["acc"], abs=0.02)
   assert "float8 is emulated on a CPU" in stdout
+  for name in ("bfloat16", "float8"):  # the record is printed when they skip
+    printed = f"where the gradients were not finite, {name}:" in stdout
+    assert printed == (rows[name]["skipped"] > 0), stdout
   png = tmp_path / "lm_float8.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -29,17 +29,22 @@ def test_processes_agree_with_each_other_and_with_one_process(
     "--save-at", 20, "--out", tmp_path, "--timeout", 240,
   )  # fmt: skip
   checks = re.findall(r"^(ok    |FAILED) (.*)$", out, re.M)
-  assert len(checks) == 5 and all(ok == "ok    " for ok, _ in checks), out
+  assert len(checks) == 6 and all(ok == "ok    " for ok, _ in checks), out
   skipped = re.findall(r"^\s+(\d+)\s+\d+\s+yes\b", out, re.M)
   assert skipped == ["4", "5", "17"], out
   assert (tmp_path / "ckpt").is_dir()
 
-  # The comparison can fail: one process holding another scale at one step.
+  # The comparison can fail: one process holding another scale at one step,
+  # or another non-finite record (a leaf it did not see as NaN).
   run = dict(np.load(tmp_path / "process0.npz"))
   run["history/loss_scale"][10] *= 2
+  run["history/last_leaves"][5] = 0
   np.savez(tmp_path / "process0.npz", **run)
   with pytest.raises(subprocess.CalledProcessError) as failed:
     run_example(
       "multi_process.py", "--compare", "--processes", processes, "--out", tmp_path
     )
   assert "FAILED every process holds the reference's scale" in failed.value.stdout
+  assert "FAILED every process holds the reference's non-finite record" in (
+    failed.value.stdout
+  )

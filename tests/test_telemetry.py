@@ -16,7 +16,9 @@ from xla_costs import reductions
 import optax_lossscale as ols
 from optax_lossscale import _finite
 
-pytestmark = pytest.mark.standard_promotion  # optax's adam
+# Tests that run optax's adam, Flax or the Keras facade are marked
+# standard_promotion; the others run under strict promotion (conftest).
+standard_promotion = pytest.mark.standard_promotion
 
 NAN, INF = jnp.nan, jnp.inf
 
@@ -53,6 +55,7 @@ def _run(tx, steps, params=None):
   return state
 
 
+@standard_promotion
 def test_nan_and_infinity_are_told_apart_and_counted():
   tx = ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=True)
   state = _run(
@@ -80,6 +83,7 @@ def test_nan_and_infinity_are_told_apart_and_counted():
   assert "head/1" in text.split("\n\n")[1]  # in the table
 
 
+@standard_promotion
 def test_the_record_changes_nothing_else_bit_for_bit():
   steps = [
     (_grads(), 1.0),
@@ -149,6 +153,7 @@ def test_without_the_loss_the_report_says_so():
   )
 
 
+@standard_promotion
 def test_a_nan_in_one_flax_leaf_is_named_by_its_path():
   nn = pytest.importorskip("flax.linen")
 
@@ -189,6 +194,7 @@ def test_a_nan_in_one_flax_leaf_is_named_by_its_path():
     ols.nonfinite_report(state, {"w": jnp.ones(1)})
 
 
+@standard_promotion
 def test_the_per_leaf_reductions_run_only_in_the_nonfinite_branch():
   """In the compiled step: no reduction added outside the conditional."""
   params = {f"w{i}": jnp.ones((i + 3, 5)) for i in range(6)}
@@ -226,6 +232,7 @@ def test_check_skipped_steps_names_the_leaves():
   assert "encoder" not in str(e.value)
 
 
+@standard_promotion
 def test_the_keras_facade_records_what_its_check_read():
   """A float16 gradient finite as scaled, infinite once divided by the factor."""
   opt = ols.LossScaleOptimizer(
@@ -329,6 +336,7 @@ def test_bad_inputs_are_clear_errors():
   chex.assert_trees_all_equal(kept.nonfinite, state.nonfinite)
 
 
+@standard_promotion
 def test_the_record_survives_an_orbax_round_trip(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   tx = ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=True)
@@ -346,6 +354,7 @@ def test_the_record_survives_an_orbax_round_trip(tmp_path):
   assert ols.nonfinite_report(restored).leaves[0].steps == 2
 
 
+@standard_promotion
 def test_nnx_optimizer_reports_through_its_variables():
   nnx = pytest.importorskip("flax.nnx")
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -358,6 +367,7 @@ def test_nnx_optimizer_reports_through_its_variables():
   assert [(leaf.path, leaf.last) for leaf in report.leaves] == [("bias", "NaN")]
 
 
+@standard_promotion
 def test_linen_train_state_passes_the_loss_on():
   pytest.importorskip("flax")
   from optax_lossscale.flax import LossScaleTrainState
