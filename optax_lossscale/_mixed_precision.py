@@ -40,7 +40,9 @@ def enable_mixed_precision(
     optimizer: the bare optax transformation to wrap (not one that already
       holds a loss scale: its ``init`` would raise).
     compute_dtype: the half dtype (default: :func:`default_half_dtype`).
-    **loss_scale_kwargs: passed to :func:`dynamic_loss_scale`.
+    **loss_scale_kwargs: passed to :func:`dynamic_loss_scale`; with
+      bfloat16 only ``track_nonfinite`` is accepted (the no-op scale keeps
+      the record too).
 
   Returns:
     ``(fast, tx)``: ``fast = autocast(fun, compute_dtype=...)``; with float16,
@@ -52,13 +54,17 @@ def enable_mixed_precision(
   half = fast.compute_dtype
   if half == jnp.float16:
     tx = _transform.dynamic_loss_scale(optimizer, **loss_scale_kwargs)
-  elif loss_scale_kwargs:
-    raise ValueError(
-      f"Loss-scale arguments {sorted(loss_scale_kwargs)} given, but {half.name} "
-      "does not need loss scaling."
-    )
   else:
-    tx = _transform.loss_scale_transformation(optimizer, _config.NOOP_CONFIG)
+    # The record is not about the scale: a bfloat16 run keeps it too.
+    track = loss_scale_kwargs.pop("track_nonfinite", False)
+    if loss_scale_kwargs:
+      raise ValueError(
+        f"Loss-scale arguments {sorted(loss_scale_kwargs)} given, but "
+        f"{half.name} does not need loss scaling."
+      )
+    tx = _transform.loss_scale_transformation(
+      optimizer, _config.NOOP_CONFIG, track_nonfinite=track
+    )
   chosen = (
     "given" if compute_dtype is not None else f"the {jax.default_backend()} default"
   )

@@ -38,6 +38,7 @@ __all__ = [
   "OverwriteState",
   "all_finite",
   "apply_overwrites",
+  "as_floats",
   "find_overwrite_state",
   "is_overwrite_variable",
   "merge",
@@ -184,9 +185,14 @@ def _as_float(x: jax.Array) -> jax.Array:
   return lax.convert_element_type(x, _float_dtype(x))
 
 
+def as_floats(tree: Any) -> Any:
+  """``tree`` with ``fp8_meta`` arrays as the float arrays they hold."""
+  return jax.tree.map(_as_float, tree)
+
+
 def all_finite(tree: Any) -> jax.Array:
   """:func:`_core.all_finite` of overwrite leaves (``fp8_meta`` ones included)."""
-  return _core.all_finite(jax.tree.map(_as_float, tree))
+  return _core.all_finite(as_floats(tree))
 
 
 # --------------------------------------------------------------------------

@@ -192,8 +192,9 @@ def _last_step_text(report: NonFiniteReport) -> str:
     return text + " (the loss was not given to update as value=)."
   if report.last_loss == "finite":
     return text + (
-      "; its loss was finite: only the gradients were not (an overflow, which "
-      "a smaller loss scale fixes unless it persists at min_scale)."
+      "; its loss was finite: only the gradients were not (an overflow in the "
+      "backward pass, which a dynamic loss scale fixes by backing off, unless "
+      "it persists at min_scale)."
     )
   return text + (
     f"; its loss itself was {report.last_loss}: the model produced it, "
@@ -219,13 +220,28 @@ def _record(opt_state: Any, required: bool = True) -> Any:
       "The non-finite report is read on the host: call it outside jax.jit, "
       "on the state the step returned."
     )
-  return jax.device_get(record)
+  record = jax.device_get(record)
+  batch = np.shape(record.steps)
+  if batch:  # one record per replica (pmap, vmap): they must agree
+    flat = jax.tree.map(
+      lambda x: np.reshape(x, (-1, *np.shape(x)[len(batch) :])), record
+    )
+    first = jax.tree.map(lambda x: x[0], flat)
+    if not all(np.all(x == x[:1]) for x in jax.tree.leaves(flat)):
+      raise ValueError(
+        f"The state holds {int(np.prod(batch))} records (one per replica, of "
+        "a pmap or vmap) that differ: the replicas did not combine what they "
+        "saw (pass axis_name to the loss scale). Report one of them: "
+        "nonfinite_report(jax.tree.map(lambda x: x[i], opt_state))."
+      )
+    record = first
+  return record
 
 
 def _report(record: Any, params: Any) -> NonFiniteReport:
   paths = record.paths
   if params is not None:
-    paths = _telemetry.leaf_paths(params, is_leaf=_state.is_variable)
+    paths = _telemetry.leaf_paths(params)
     if len(paths) != len(record.paths):
       raise ValueError(
         f"`params` has {len(paths)} leaves but the record was made for "

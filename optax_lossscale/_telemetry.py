@@ -12,6 +12,7 @@ the per-leaf work; :func:`nonfinite_report` reads it on the host.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -71,11 +72,40 @@ class NonFiniteRecord:
     return dataclasses.replace(self, **changes)
 
 
+#: The record's arrays (its pytree children); ``paths`` is static.
+ARRAY_FIELDS = tuple(f.name for f in dataclasses.fields(NonFiniteRecord))[:-1]
 jax.tree_util.register_dataclass(
-  NonFiniteRecord,
-  data_fields=[f.name for f in dataclasses.fields(NonFiniteRecord)][:-1],
-  meta_fields=["paths"],
+  NonFiniteRecord, data_fields=list(ARRAY_FIELDS), meta_fields=["paths"]
 )
+
+
+def register_flax_serialization() -> None:
+  """Lets ``flax.serialization`` (``to_bytes``, ``to_state_dict``) save a record.
+
+  Called when ``optax_lossscale.flax`` is imported, and at this module's
+  import when Flax's serialization is already loaded. The arrays are saved
+  by name; the paths come from the restore target.
+  """
+  from flax import serialization
+
+  def to_state(r):
+    return {f: serialization.to_state_dict(getattr(r, f)) for f in ARRAY_FIELDS}
+
+  def from_state(target, state):
+    return target.replace(
+      **{
+        f: serialization.from_state_dict(getattr(target, f), state[f], name=f)
+        for f in ARRAY_FIELDS
+      }
+    )
+
+  serialization.register_serialization_state(
+    NonFiniteRecord, to_state, from_state, override=True
+  )
+
+
+if "flax.serialization" in sys.modules:
+  register_flax_serialization()
 
 
 def _key_name(key: Any) -> str:
@@ -85,15 +115,27 @@ def _key_name(key: Any) -> str:
   return str(key)
 
 
-def leaf_paths(tree: Any, is_leaf: Any = None) -> tuple[str, ...]:
+def _is_leaf(x: Any) -> bool:
+  """A parameter tree's leaf for the record: ``None`` (a parameter without
+  gradient keeps its place) or a box holding one array (an ``nnx``
+  variable, a Linen ``Partitioned``), whose path is the box's own."""
+  return x is None or _state.is_variable(x) or callable(getattr(x, "unbox", None))
+
+
+def leaf_paths(tree: Any) -> tuple[str, ...]:
   """Each leaf's path in ``tree`` as ``'a/b/0/kernel'``, as Flax prints them."""
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)[0]
   return tuple("/".join(_key_name(k) for k in path) or "<root>" for path, _ in flat)
+
+
+def _leaves(grads: Any) -> list[Any]:
+  """``grads``' leaves, ``None`` included: one per entry of the record."""
+  return jax.tree.leaves(grads, is_leaf=lambda x: x is None)
 
 
 def initial_record(params: Any) -> NonFiniteRecord:
   """A fresh record for gradients shaped like ``params`` (one entry per leaf)."""
-  paths = leaf_paths(params, is_leaf=_state.is_variable)  # nnx: not '.../value'
+  paths = leaf_paths(params)
   n = len(paths)
   return NonFiniteRecord(
     steps=jnp.zeros([], _I32),
@@ -183,7 +225,7 @@ def note(
     ValueError: the gradients have another number of leaves than the
       parameters the record was made for, or the loss is not floating.
   """
-  n = len(jax.tree.leaves(grads))
+  n = len(_leaves(grads))
   if n != len(record.paths):
     raise ValueError(
       f"The gradients have {n} leaves but the non-finite record was made for "
@@ -194,7 +236,7 @@ def note(
     value = _checked_loss(value, axis_name)
 
   def nonfinite(r):
-    leaves = jax.tree.leaves(checked(grads))
+    leaves = _leaves(checked(grads))
     extra = [] if value is None else [value]
     kinds = _any_device(_finite.nonfinite_kinds(leaves + extra), axis_name)
     leaf, loss = kinds[: len(leaves)], kinds[len(leaves) :]

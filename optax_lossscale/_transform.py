@@ -162,14 +162,16 @@ def loss_scale_transformation(
       grads = _overwrite.merge(grads, values)
     new_state, should_apply = _core.adjust(state, finite, config)
     if track_nonfinite:
-      if config.noop:  # nothing was checked: check for the record alone
-        finite = _core.reduce_flag(_core.all_finite(updates), axis_name)
 
-      def unscaled(g):  # what the check read, computed again in the branch
+      def unscaled(g):  # what the check read (float8 meta values as floats)
         if mask is None:
           return _core.unscale_all(g, scale, factor)
         regular, values = _overwrite.split(g, mask)
+        values = _overwrite.as_floats(values)
         return _overwrite.merge(_core.unscale_all(regular, scale, factor), values)
+
+      if config.noop:  # nothing was checked: check for the record alone
+        finite = _core.reduce_flag(_core.all_finite(unscaled(updates)), axis_name)
 
       record = _telemetry.note(
         state.nonfinite,

@@ -36,7 +36,10 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from optax_lossscale import _grad, _overwrite, _state
+from optax_lossscale import _grad, _overwrite, _state, _telemetry
+
+# Flax's msgpack and state-dict serialization of a state with the record.
+_telemetry.register_flax_serialization()
 
 
 class LossScaleTrainState(train_state.TrainState):

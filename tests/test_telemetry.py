@@ -378,3 +378,85 @@ def test_linen_train_state_passes_the_loss_on():
   report = ols.nonfinite_report(state)
   assert report.last_loss == "NaN" and report.leaves[0].path == "head/1"
   assert int(state.step) == 0  # skipped
+
+
+def test_none_leaves_keep_their_place():
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  params = {"a": jnp.ones(3), "b": jnp.ones(2), "c": None, "d": jnp.ones(1)}
+  grads = {"a": None, "b": jnp.ones(2), "c": None, "d": jnp.array([jnp.inf])}
+  state = _run(tx, [(grads, None)], params)
+  report = ols.nonfinite_report(state)
+  assert [(leaf.path, leaf.last) for leaf in report.leaves] == [("d", "inf")]
+  assert ols.nonfinite_report(state, params) == report
+
+
+def test_float8_meta_overwrite_values_are_classified():
+  fp8_ops = pytest.importorskip("flax.linen.fp8_ops")
+  meta = jax.jit(lambda a: jax.lax.convert_element_type(a, fp8_ops.fp32_max_grad))
+  params = {"w": jnp.ones(2), "_overwrite_with_gradient": {"amax": meta(jnp.zeros(3))}}
+  grads = {
+    "w": jnp.full(2, 4.0),
+    "_overwrite_with_gradient": {"amax": meta(jnp.array([1.0, jnp.inf, 3.0]))},
+  }
+  for loss_scale in (ols.DynamicLossScale(4.0), ols.NoOpLossScale()):
+    tx = ols.with_loss_scale(optax.sgd(1.0), loss_scale, track_nonfinite=True)
+    report = ols.nonfinite_report(_run(tx, [(grads, None)], params))
+    assert [(leaf.path, leaf.last) for leaf in report.leaves] == [
+      ("_overwrite_with_gradient/amax", "inf")
+    ], loss_scale
+
+
+def test_enable_mixed_precision_keeps_the_record_in_bfloat16_too():
+  fast, tx = ols.enable_mixed_precision(
+    lambda p: jnp.sum(p["w"]),
+    optax.sgd(0.1),
+    compute_dtype=jnp.bfloat16,
+    track_nonfinite=True,
+  )
+  state = _run(tx, [({"w": jnp.array([jnp.nan, 1.0])}, None)], {"w": jnp.ones(2)})
+  assert ols.nonfinite_report(state).leaves[0].path == "w"
+  with pytest.raises(ValueError, match=r"\['initial_scale'\] given, but bfloat16"):
+    ols.enable_mixed_precision(
+      lambda p: p, optax.sgd(0.1), compute_dtype=jnp.bfloat16, initial_scale=2.0
+    )
+
+
+def test_a_report_of_replicas_that_agree_or_not():
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), axis_name="i", track_nonfinite=True)
+  params = {"a": jnp.ones(3)}
+  state = tx.init(params)
+  grads = {"a": jnp.ones((4, 3)).at[2, 1].set(jnp.nan)}
+  update = jax.vmap(lambda g: tx.update(g, state, params)[1], axis_name="i")
+  report = ols.nonfinite_report(update(grads))
+  assert [(leaf.path, leaf.last) for leaf in report.leaves] == [("a", "NaN")]
+  alone = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  apart = jax.vmap(lambda g: alone.update(g, alone.init(params), params)[1])(grads)
+  with pytest.raises(ValueError, match="4 records .* that differ"):
+    ols.nonfinite_report(apart)
+
+
+@standard_promotion
+def test_flax_serialization_and_partitioned_boxes():
+  nn = pytest.importorskip("flax.linen")
+  from flax import serialization
+
+  import optax_lossscale.flax  # noqa: F401 - registers the record
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      init = nn.with_partitioning(nn.initializers.ones, (None, "model"))
+      return nn.Dense(2, kernel_init=init)(x)
+
+  params = Model().init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=True)
+  grads = jax.tree.map(jnp.ones_like, params)
+  grads["Dense_0"]["kernel"] = grads["Dense_0"]["kernel"].replace_boxed(
+    jnp.full((3, 2), jnp.nan)
+  )
+  state = _run(tx, [(grads, 1.0)], params)
+  report = ols.nonfinite_report(state)
+  assert [leaf.path for leaf in report.leaves] == ["Dense_0/kernel"]  # not .../value
+  restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+  chex.assert_trees_all_equal(restored, state)
+  assert ols.nonfinite_report(restored) == report
