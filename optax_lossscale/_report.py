@@ -73,7 +73,7 @@ def check_skipped_steps(
       "check_skipped_steps is a host-side check: call it outside jax.jit, on "
       "the state (or diagnostics) the step returned."
     )
-  consecutive, scale, total = (np.asarray(v).item() for v in jax.device_get(values))
+  consecutive, scale, total = (_replicated(v) for v in jax.device_get(values))
   if consecutive < limit:
     return
   if scale <= min_scale:
@@ -98,6 +98,19 @@ def check_skipped_steps(
     f"({total} skipped in total; limit max_consecutive_skips={limit}). {cause}"
     f"{where}"
   )
+
+
+def _replicated(x: Any) -> Any:
+  """The one value of ``x``: a scalar, or equal copies (a pmap or vmap state)."""
+  x = np.asarray(x)
+  if x.ndim and not np.all(x == x.flat[0]):
+    raise ValueError(
+      f"The state holds {x.size} copies of its counters (one per replica, of "
+      "a pmap or vmap) that differ: the replicas decided on their own (pass "
+      "axis_name to the loss scale). Check one of them: "
+      "jax.tree.map(lambda x: x[i], opt_state)."
+    )
+  return x.flat[0].item()
 
 
 def _kind(bits: int) -> str | None:

@@ -171,7 +171,13 @@ def loss_scale_transformation(
         return _overwrite.merge(_core.unscale_all(regular, scale, factor), values)
 
       if config.noop:  # nothing was checked: check for the record alone
-        finite = _core.reduce_flag(_core.all_finite(unscaled(updates)), axis_name)
+        try:
+          finite = _core.reduce_flag(_core.all_finite(unscaled(updates)), axis_name)
+        except ValueError as e:
+          raise ValueError(
+            "NoOpLossScale skips nothing, but its non-finite record needs one "
+            "flag for all devices. " + str(e).replace("skip the step", "record it")
+          ) from None
 
       record = _telemetry.note(
         state.nonfinite,

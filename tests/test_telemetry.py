@@ -433,6 +433,11 @@ def test_a_report_of_replicas_that_agree_or_not():
   apart = jax.vmap(lambda g: alone.update(g, alone.init(params), params)[1])(grads)
   with pytest.raises(ValueError, match="4 records .* that differ"):
     ols.nonfinite_report(apart)
+  # check_skipped_steps reads the replicas the same way.
+  with pytest.raises(ols.NonFiniteStepsError, match=r"not finite in a \(NaN\)"):
+    ols.check_skipped_steps(update(grads), max_consecutive_skips=1)
+  with pytest.raises(ValueError, match="4 copies of its counters .* that differ"):
+    ols.check_skipped_steps(apart, max_consecutive_skips=1)
 
 
 @standard_promotion

@@ -168,3 +168,16 @@ def test_a_loss_that_differs_between_devices_is_refused():
   step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P())
   with pytest.raises(ValueError, match="differs between devices along"):
     jax.jit(step)(params(), t.init(params()), jnp.ones(N))
+
+
+def test_noop_without_axis_name_under_shard_map_says_what_for():
+  mesh = make_mesh()
+  t = ols.with_loss_scale(optax.sgd(0.1), ols.NoOpLossScale(), track_nonfinite=True)
+
+  def local(p, s, g):
+    return t.update(g, s, p)[1]
+
+  shards = {"w1": P("data"), "b1": P(), "w2": P(None, "data")}
+  step = jax.shard_map(local, mesh=mesh, in_specs=(shards, P(), shards), out_specs=P())
+  with pytest.raises(ValueError, match="NoOpLossScale skips nothing.*record it"):
+    jax.jit(step)(params(), t.init(params()), grads(0, 1.0))
