@@ -24,10 +24,10 @@ from optax_lossscale._float8 import Float8Matmul as Float8Matmul
 from optax_lossscale._grad import scale_loss as scale_loss
 from optax_lossscale._grad import value_and_grad as value_and_grad
 from optax_lossscale._guard import check_checkpoint as check_checkpoint
-from optax_lossscale._keras import (
+from optax_lossscale._keras import LossScaleOptimizer as LossScaleOptimizer
+from optax_lossscale._keras_experimental import (
   ExperimentalLossScaleOptimizer as ExperimentalLossScaleOptimizer,
 )
-from optax_lossscale._keras import LossScaleOptimizer as LossScaleOptimizer
 from optax_lossscale._loss_scale import DynamicLossScale as DynamicLossScale
 from optax_lossscale._loss_scale import LossScale as LossScale
 from optax_lossscale._loss_scale import NoOpLossScale as NoOpLossScale
