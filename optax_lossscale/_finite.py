@@ -103,10 +103,14 @@ def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
   floating-point simplification (fast-math flags fold ``x - x`` to 0 and
   ``isnan`` to false), so the test holds whatever flags XLA runs with.
   """
-  info = jnp.finfo(x.dtype)
-  uint = _UINT[info.bits]
-  mask = ((1 << info.nexp) - 1) << info.nmant
+  uint, mask = _layout(x.dtype)
   return lax.bitcast_convert_type(x, uint) & np.asarray(mask, uint), mask
+
+
+def _layout(dtype: Any) -> tuple[Any, int]:
+  """``(the unsigned integer dtype of dtype's width, its all-ones exponent)``."""
+  info = jnp.finfo(dtype)
+  return _UINT[info.bits], ((1 << info.nexp) - 1) << info.nmant
 
 
 def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
@@ -194,11 +198,9 @@ def _kind_codes(x: jax.Array, axis: int | None = None) -> jax.Array:
   bit is a maximum of its own (not a bitwise-or reduction, which sharded
   arrays would turn into an all-reduce that collectives do not implement).
   """
-  bits, mask = _exponent_bits(x)
-  uint = bits.dtype
-  magnitude = lax.bitcast_convert_type(x, uint) & np.asarray(
-    (1 << (jnp.finfo(x.dtype).bits - 1)) - 1, uint
-  )
+  uint, mask = _layout(x.dtype)
+  sign = np.iinfo(uint).max >> 1  # every bit but the sign
+  magnitude = lax.bitcast_convert_type(x, uint) & np.asarray(sign, uint)
   mask = np.asarray(mask, uint)
   nan = jnp.max((magnitude > mask).astype(jnp.uint8), axis=axis)
   inf = jnp.max((magnitude == mask).astype(jnp.uint8), axis=axis)

@@ -465,3 +465,23 @@ def test_flax_serialization_and_partitioned_boxes():
   restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
   chex.assert_trees_all_equal(restored, state)
   assert ols.nonfinite_report(restored) == report
+
+
+def test_float64_leaves_are_classified_with_x64_on():
+  import os
+  import subprocess
+  import sys
+
+  code = (
+    "import jax.numpy as jnp\n"
+    "from optax_lossscale import _finite\n"
+    "x = jnp.ones(5000, jnp.float64).at[3].set(-jnp.inf)\n"
+    "k = _finite.nonfinite_kinds([jnp.array([1.0, jnp.nan]), x, jnp.ones(2)])\n"
+    "assert x.dtype == jnp.float64\n"
+    "print(k.tolist())\n"
+  )
+  env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+  out = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+  )
+  assert out.stdout.strip() == "[1, 2, 0]"
