@@ -33,6 +33,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -44,7 +45,10 @@ import optax  # noqa: E402
 from jax import lax  # noqa: E402
 
 import optax_lossscale as ols  # noqa: E402
-from optax_lossscale import _config, _core, _skip, _transform  # noqa: E402
+from optax_lossscale import _config, _skip  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import variants  # noqa: E402
 
 SCALE = 2.0**10
 LR = 1e-3
@@ -636,18 +640,15 @@ def train_steps(calls, cases=None, rounds=3):
 
 
 def _variant(inner, check, skip, **kwargs):
-  """``dynamic_loss_scale(inner)`` with ``check`` and ``skip`` swapped in.
-
-  ``loss_scale_transformation`` takes them in place of the core's
-  ``unscale_and_check`` and the skip's ``apply_or_skip``.
-  """
-  config = _config.dynamic_config(**kwargs)
-  return _transform.loss_scale_transformation(inner, config, check=check, skip=skip)
+  """``dynamic_loss_scale(inner)`` with ``check`` and ``skip`` swapped in."""
+  return variants.variant(
+    inner, _config.dynamic_config(**kwargs), check=check, skip=skip
+  )
 
 
-def _norm_check(scaled_grads, loss_scale, config, axis_name=None, factor=None):
+def _norm_check(scaled_grads, loss_scale, config):
   """Finiteness read off the global norm of the unscaled gradients."""
-  del config, axis_name, factor
+  del config
   grads = ols.unscale(scaled_grads, loss_scale)
   return grads, jnp.isfinite(optax.tree.norm(grads))
 
@@ -666,12 +667,12 @@ def _cond_skip(inner, ok, grads, inner_state, params, extra_args):
 
 def select_after_loss_scale(inner, **kwargs):
   """The skip as ``select(ok, new_state, old_state)`` after the update."""
-  return _variant(inner, _core.unscale_and_check, _skip.select_after, **kwargs)
+  return _variant(inner, variants.unscale_and_check, _skip.select_after, **kwargs)
 
 
 def cond_dynamic_loss_scale(inner, **kwargs):
   """The skip as a ``lax.cond`` around the inner update."""
-  return _variant(inner, _core.unscale_and_check, _cond_skip, **kwargs)
+  return _variant(inner, variants.unscale_and_check, _cond_skip, **kwargs)
 
 
 def norm_check_loss_scale(inner, **kwargs):

@@ -58,10 +58,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import variants
 from jax import lax
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _skip, _transform
+from optax_lossscale import _config, _skip
 
 
 def _median_ms(fn, args_cycle, calls=60, warmup=8):
@@ -392,7 +393,7 @@ def probe_jitted():
   config = _config.dynamic_config(bench.SCALE)
 
   def after(inner):
-    return _transform.loss_scale_transformation(inner, config, skip=_skip.select_after)
+    return variants.variant(inner, config, skip=_skip.select_after)
 
   rows = [
     ("bare adam", bench.bare_adam(params, grads)),

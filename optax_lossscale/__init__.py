@@ -2,7 +2,9 @@
 
 The public API is what this module exports. Each private module has one job,
 named in its first docstring line; the names in its ``__all__`` are the
-package-internal API the other modules use.
+package-internal API the other modules use. The TensorFlow/Keras porting
+surface lives in the subpackage :mod:`optax_lossscale.porting`, above the
+core (which never imports it); its names are exported here too.
 """
 
 from optax_lossscale._autocast import autocast as autocast
@@ -14,29 +16,18 @@ from optax_lossscale._config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from optax_lossscale._config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
 from optax_lossscale._config import LossScaleConfig as LossScaleConfig
 from optax_lossscale._core import LossScaleState as LossScaleState
-from optax_lossscale._core import all_finite as all_finite
 from optax_lossscale._core import unscale as unscale
-from optax_lossscale._ema import EmaParamsState as EmaParamsState
-from optax_lossscale._ema import ema_params as ema_params
-from optax_lossscale._ema import finalize_variable_values as finalize_variable_values
-from optax_lossscale._ema import get_ema_params as get_ema_params
+from optax_lossscale._finite import all_finite as all_finite
 from optax_lossscale._float8 import Float8Matmul as Float8Matmul
 from optax_lossscale._grad import scale_loss as scale_loss
 from optax_lossscale._grad import value_and_grad as value_and_grad
 from optax_lossscale._guard import check_checkpoint as check_checkpoint
-from optax_lossscale._keras import LossScaleOptimizer as LossScaleOptimizer
-from optax_lossscale._keras_experimental import (
-  ExperimentalLossScaleOptimizer as ExperimentalLossScaleOptimizer,
+from optax_lossscale._low_precision import KahanSummationState as KahanSummationState
+from optax_lossscale._low_precision import (
+  StochasticRoundingState as StochasticRoundingState,
 )
-from optax_lossscale._loss_scale import DynamicLossScale as DynamicLossScale
-from optax_lossscale._loss_scale import LossScale as LossScale
-from optax_lossscale._loss_scale import NoOpLossScale as NoOpLossScale
-from optax_lossscale._loss_scale import StaticLossScale as StaticLossScale
-from optax_lossscale._mixed_precision import (
-  enable_mixed_precision as enable_mixed_precision,
-)
-from optax_lossscale._optimizers import get_learning_rate as get_learning_rate
-from optax_lossscale._optimizers import set_learning_rate as set_learning_rate
+from optax_lossscale._low_precision import kahan_summation as kahan_summation
+from optax_lossscale._low_precision import stochastic_rounding as stochastic_rounding
 from optax_lossscale._overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._policy import Policy as Policy
 from optax_lossscale._policy import default_half_dtype as default_half_dtype
@@ -46,12 +37,6 @@ from optax_lossscale._report import NonFiniteReport as NonFiniteReport
 from optax_lossscale._report import NonFiniteStepsError as NonFiniteStepsError
 from optax_lossscale._report import check_skipped_steps as check_skipped_steps
 from optax_lossscale._report import nonfinite_report as nonfinite_report
-from optax_lossscale._rounding import KahanSummationState as KahanSummationState
-from optax_lossscale._rounding import (
-  StochasticRoundingState as StochasticRoundingState,
-)
-from optax_lossscale._rounding import kahan_summation as kahan_summation
-from optax_lossscale._rounding import stochastic_rounding as stochastic_rounding
 from optax_lossscale._skip import SkipFallbackWarning as SkipFallbackWarning
 from optax_lossscale._state import diagnostics as diagnostics
 from optax_lossscale._state import find_loss_scale_state as find_loss_scale_state
@@ -59,7 +44,24 @@ from optax_lossscale._state import get_scale as get_scale
 from optax_lossscale._telemetry import NonFiniteRecord as NonFiniteRecord
 from optax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
 from optax_lossscale._transform import static_loss_scale as static_loss_scale
-from optax_lossscale._transform import with_loss_scale as with_loss_scale
+from optax_lossscale.porting import DynamicLossScale as DynamicLossScale
+from optax_lossscale.porting import EmaParamsState as EmaParamsState
+from optax_lossscale.porting import (
+  ExperimentalLossScaleOptimizer as ExperimentalLossScaleOptimizer,
+)
+from optax_lossscale.porting import LossScale as LossScale
+from optax_lossscale.porting import LossScaleOptimizer as LossScaleOptimizer
+from optax_lossscale.porting import NoOpLossScale as NoOpLossScale
+from optax_lossscale.porting import StaticLossScale as StaticLossScale
+from optax_lossscale.porting import ema_params as ema_params
+from optax_lossscale.porting import enable_mixed_precision as enable_mixed_precision
+from optax_lossscale.porting import (
+  finalize_variable_values as finalize_variable_values,
+)
+from optax_lossscale.porting import get_ema_params as get_ema_params
+from optax_lossscale.porting import get_learning_rate as get_learning_rate
+from optax_lossscale.porting import set_learning_rate as set_learning_rate
+from optax_lossscale.porting import with_loss_scale as with_loss_scale
 
 __version__ = "0.1.0"
 

@@ -4,12 +4,13 @@ Everything that loss scaling computes is written here once, and every entry
 point (the optax transformations, the ``LossScale`` objects, the Keras-style
 facade, the Flax helpers) calls these functions:
 
-* :func:`all_finite` (from ``_finite``): are all floating entries of a
-  tree finite?
-* :func:`unscale`: a gradient tree divided by the loss scale, in float32.
-* :func:`reduce_flag`: a finite flag ANDed across devices.
-* :func:`unscale_and_check`: the three above, as an update step needs them.
-* :func:`adjust`: the update rule of the README's "exact rule".
+* :func:`unscale`: a gradient tree divided by the loss scale, in float32
+  (the public form validates the tree; :func:`unscale_tree` is the one the
+  transformations call on a tree they validated once);
+* :func:`check`: whether an update's gradients are finite (``_finite``'s
+  check on the scaled or the unscaled tree), ANDed across devices
+  (:func:`reduce_flag`);
+* :func:`adjust`: the update rule of the documentation's "exact rule".
 
 The state is one form, :class:`LossScaleState`; the hyper-parameters are a
 ``LossScaleConfig`` of Python numbers (``_config``), never traced. Nothing
@@ -26,28 +27,19 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from optax_lossscale import _finite, _tree
 from optax_lossscale._config import LossScaleConfig
-from optax_lossscale._finite import FINITE_CHECK_CHUNK as FINITE_CHECK_CHUNK
-from optax_lossscale._finite import all_finite as all_finite
-from optax_lossscale._finite import array_leaves as array_leaves
-from optax_lossscale._finite import is_array as is_array
-from optax_lossscale._finite import is_float_array as is_float_array
 
 __all__ = [
   "COUNTER_FIELDS",
-  "FINITE_CHECK_CHUNK",
   "LossScaleState",
   "adjust",
-  "all_finite",
-  "array_leaves",
+  "check",
   "initial_state",
-  "is_array",
-  "is_float_array",
   "reduce_flag",
   "scale_value",
   "unscale",
-  "unscale_all",
-  "unscale_and_check",
+  "unscale_tree",
   "varying_axes",
 ]
 
@@ -123,24 +115,36 @@ def unscale(tree: Any, loss_scale: Any) -> Any:
     >>> ols.unscale({"w": jnp.array([8.0, 16.0], jnp.float16)}, 8.0)["w"]
     Array([1., 2.], dtype=float16)
   """
-  inv_scale = 1.0 / jnp.asarray(loss_scale, _F32)
-  array_leaves(tree)
+  _tree.array_leaves(tree)
+  return unscale_tree(tree, loss_scale)
 
-  def one(x):
-    if not is_float_array(x):
-      return x
+
+def unscale_tree(
+  tree: Any, loss_scale: Any, factor: float | None = None, *, keep: Any = None
+) -> Any:
+  """:func:`unscale` of a tree whose leaves are known to be arrays.
+
+  Divides by ``loss_scale``, then by ``factor`` (the Keras facade's
+  ``loss_scale_factor``) unless it is ``None``. ``keep``, a tree of bools
+  like ``tree`` (or ``None``), marks leaves passed through as they are:
+  Flax's float8 overwrite leaves, which hold new values, not gradients.
+  """
+
+  def divide(x, by):
+    inv = 1.0 / jnp.asarray(by, _F32)
     if jnp.finfo(x.dtype).bits < 32:
-      return (x.astype(_F32) * inv_scale).astype(x.dtype)
-    return x * inv_scale.astype(x.dtype)
+      return (x.astype(_F32) * inv).astype(x.dtype)
+    return x * inv.astype(x.dtype)
 
-  return jax.tree.map(one, tree)
+  def one(x, kept=False):
+    if kept or not _tree.is_float_array(x):
+      return x
+    x = divide(x, loss_scale)
+    return x if factor is None else divide(x, factor)
 
-
-def unscale_all(tree: Any, loss_scale: Any, factor: float | None = None) -> Any:
-  """:func:`unscale` by ``loss_scale``, then by ``factor`` (the Keras facade's
-  ``loss_scale_factor``) unless it is ``None``."""
-  tree = unscale(tree, loss_scale)
-  return tree if factor is None else unscale(tree, factor)
+  if keep is None:
+    return jax.tree.map(one, tree)
+  return jax.tree.map(lambda k, x: one(x, k), keep, tree)
 
 
 def scale_value(loss: Any, loss_scale: Any) -> jax.Array:
@@ -192,37 +196,31 @@ def reduce_flag(flag: jax.Array, axis_name: Any) -> jax.Array:
   return flag
 
 
-def unscale_and_check(
-  scaled_grads: Any,
-  loss_scale: Any,
+def check(
+  scaled: Any,
+  unscaled: Any,
   config: LossScaleConfig,
   axis_name: Any = None,
   *,
   factor: float | None = None,
-) -> tuple[Any, jax.Array]:
-  """Unscales gradients of the scaled loss and says whether they are finite.
+) -> jax.Array:
+  """Whether an update's gradients are finite, the same on every device.
 
-  With ``factor`` (the Keras facade's ``loss_scale_factor``, a fixed extra
-  factor on the loss) the gradients are divided by it too, after the loss
-  scale, and the check sees what is divided out. When neither division can
-  make an entry larger (``config.min_scale >= 1`` and ``factor >= 1``),
-  unscaling cannot turn a finite entry into ``inf``, so the *scaled*
-  gradients are checked: the same answer, read as they lie in memory
-  instead of from an unscaled copy. Otherwise the unscaled ones are checked,
-  which also catches an overflow caused by unscaling (a float16 gradient
-  divided by a factor below 1).
+  ``scaled`` are the gradients as ``update`` received them (leaves known to
+  be arrays), ``unscaled`` the same divided by the scale and ``factor``.
+  When neither division can make an entry larger (``config.min_scale >= 1``
+  and ``factor >= 1``), unscaling cannot turn a finite entry into ``inf``,
+  so the *scaled* gradients are checked: the same answer, read as they lie
+  in memory instead of from an unscaled copy. Otherwise the unscaled ones
+  are, which also catches an overflow caused by unscaling (a float16
+  gradient divided by a factor below 1).
 
   Returns:
-    ``(unscaled grads, finite)``, the flag ANDed over ``axis_name``. A
-    no-op configuration returns the gradients untouched and ``True``.
+    The flag, ANDed over ``axis_name`` (:func:`reduce_flag`).
   """
-  array_leaves(scaled_grads)  # refused by name, whatever the configuration
-  if config.noop:
-    return scaled_grads, jnp.array(True)
-  grads = unscale_all(scaled_grads, loss_scale, factor)
   shrinks = config.min_scale >= 1.0 and (factor is None or factor >= 1.0)
-  checked = scaled_grads if shrinks else grads
-  return grads, reduce_flag(all_finite(checked), axis_name)
+  checked = scaled if shrinks else unscaled
+  return reduce_flag(_finite.leaves_finite(jax.tree.leaves(checked)), axis_name)
 
 
 # --------------------------------------------------------------------------

@@ -3,8 +3,10 @@
 :func:`all_finite` is the loss scale's check (one fused reduction over a
 whole tree); :func:`nonfinite_kinds` says, leaf by leaf, whether a tree
 holds NaN, infinities or both (what the non-finite record and the reports
-name). Both test each entry's exponent bits as unsigned integers, so that no
-compiler flag, fast-math included, can fold them away.
+name); :func:`count_nonfinite` counts the NaN and infinite entries of an
+array on the host (what the checkpoint guard reports). All of them test each
+entry's bits as unsigned integers (:func:`_magnitude`), so that no compiler
+flag, fast-math included, can fold them away.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale._tree import array_leaves, is_float_array
+
 __all__ = [
   "CONCAT_MAX_SIZE",
   "FINITE_CHECK_CHUNK",
@@ -23,9 +27,9 @@ __all__ = [
   "KINDS_STACK_MAX_SIZE",
   "NAN",
   "all_finite",
-  "array_leaves",
-  "is_array",
-  "is_float_array",
+  "count_nonfinite",
+  "count_nonfinite_device",
+  "leaves_finite",
   "nonfinite_kinds",
 ]
 
@@ -36,41 +40,8 @@ _F32 = jnp.float32
 FINITE_CHECK_CHUNK = 32
 
 
-def is_array(x: Any) -> bool:
-  """A JAX or NumPy array (or scalar); ``None`` and other leaves are not."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def is_float_array(x: Any) -> bool:
-  """A leaf that loss scaling touches: an array of a floating dtype."""
-  # float0, integer and bool arrays are not `inexact`.
-  return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
-  """The leaves of ``tree``, all of them arrays (``None`` is no leaf).
-
-  Raises:
-    ValueError: a leaf is not an array (a Python number, a string, ...),
-      naming its path: loss scaling cannot unscale or check it, and passing
-      it through would apply it unscaled.
-  """
-  leaves = jax.tree.leaves(tree)
-  if all(is_array(x) for x in leaves):
-    return leaves
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if not is_array(x):
-      raise ValueError(
-        f"The {what} leaf at {jax.tree_util.keystr(path) or '<root>'} is a "
-        f"{type(x).__name__} ({x!r}), not an array: loss scaling can neither "
-        "unscale nor check it. Make it an array (jnp.asarray), or leave it out "
-        "of the tree (None)."
-      )
-  raise AssertionError("unreachable")
-
-
 #: Unsigned integer dtypes of the float widths whose bits are tested directly.
-_UINT = {16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}
+_UINT = {16: np.uint16, 32: np.uint32, 64: np.uint64}
 
 
 #: Leaves of at most this many entries, in groups of fewer than
@@ -83,8 +54,8 @@ def _concatenated(size: int, count: int) -> bool:
   return 0 < size <= CONCAT_MAX_SIZE and count < CONCAT_MAX_GROUP
 
 
-def _tested(x: jax.Array) -> jax.Array:
-  """``x`` in a dtype whose bits :func:`_exponent_bits` tests.
+def _tested(x: Any) -> Any:
+  """``x`` (a JAX or NumPy array) in a dtype whose bits are tested directly.
 
   float16, bfloat16, float32 and float64 as they are; other floating dtypes
   (float8 formats, whose all-ones exponent can be finite) in float32, which
@@ -92,7 +63,7 @@ def _tested(x: jax.Array) -> jax.Array:
   """
   if x.dtype in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64):
     return x
-  return x.astype(_F32)
+  return x.astype(np.float32)
 
 
 def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
@@ -144,8 +115,13 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
     >>> bool(ols.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
     False
   """
+  return leaves_finite(array_leaves(tree), chunk=chunk)
+
+
+def leaves_finite(leaves: list[Any], *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
+  """:func:`all_finite` of a tree's leaves, already checked to be arrays."""
   groups: dict[tuple[int, Any], list[jax.Array]] = {}
-  for x in array_leaves(tree):
+  for x in leaves:
     if not is_float_array(x):
       continue
     x = jnp.ravel(x)
@@ -190,21 +166,79 @@ INF = 2
 KINDS_STACK_MAX_SIZE = 1 << 12
 
 
-def _kind_codes(x: jax.Array, axis: int | None = None) -> jax.Array:
-  """``NAN | INF`` bits (uint8) of the entries of ``x``, combined along ``axis``.
+def _magnitude(x: Any) -> tuple[Any, Any]:
+  """``(x's bits without the sign, as unsigned integers, the all-ones exponent)``.
 
-  An IEEE float's bits without the sign, as an unsigned integer, equal the
-  all-ones exponent exactly for an infinity and exceed it for a NaN. Each
-  bit is a maximum of its own (not a bitwise-or reduction, which sharded
-  arrays would turn into an all-reduce that collectives do not implement).
+  For a JAX array (in the step) or a NumPy array (on the host) of a dtype
+  :func:`_tested` returns. An IEEE float's bits without the sign, as an
+  unsigned integer, equal the all-ones exponent exactly for an infinity and
+  exceed it for a NaN.
   """
   uint, mask = _layout(x.dtype)
   sign = np.iinfo(uint).max >> 1  # every bit but the sign
-  magnitude = lax.bitcast_convert_type(x, uint) & np.asarray(sign, uint)
-  mask = np.asarray(mask, uint)
+  bits = (
+    x.view(uint) if isinstance(x, np.ndarray) else lax.bitcast_convert_type(x, uint)
+  )
+  return bits & np.asarray(sign, uint), np.asarray(mask, uint)
+
+
+def _kind_codes(x: jax.Array, axis: int | None = None) -> jax.Array:
+  """``NAN | INF`` bits (uint8) of the entries of ``x``, combined along ``axis``.
+
+  Each bit is a maximum of its own (not a bitwise-or reduction, which
+  sharded arrays would turn into an all-reduce that collectives do not
+  implement).
+  """
+  magnitude, mask = _magnitude(x)
   nan = jnp.max((magnitude > mask).astype(jnp.uint8), axis=axis)
   inf = jnp.max((magnitude == mask).astype(jnp.uint8), axis=axis)
   return nan * np.uint8(NAN) | inf * np.uint8(INF)
+
+
+def count_nonfinite(x: Any) -> tuple[int, int]:
+  """``(NaN entries, infinite entries)`` of one array, counted on the host.
+
+  The array is fetched (``np.asarray``) and its bits tested with NumPy as
+  :func:`nonfinite_kinds` tests them in a step: no compilation, so naming
+  the bad leaves of a large tree costs what reading it costs. Complex
+  arrays are counted in both parts; arrays that are not floating count 0.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_lossscale import _finite
+    >>> _finite.count_nonfinite(jnp.array([jnp.nan, -jnp.inf, 1.0, jnp.nan]))
+    (2, 1)
+  """
+  x = np.ravel(np.asarray(x))
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return 0, 0
+  if np.iscomplexobj(x):
+    x = np.concatenate([x.real, x.imag])
+  magnitude, mask = _magnitude(np.ascontiguousarray(_tested(x)))
+  return int(np.count_nonzero(magnitude > mask)), int(
+    np.count_nonzero(magnitude == mask)
+  )
+
+
+def count_nonfinite_device(x: jax.Array) -> jax.Array:
+  """:func:`count_nonfinite` computed where ``x`` lies, for an array no host holds.
+
+  Returns an int32 array of shape ``(2, rows)``: the NaN and infinite
+  entries of each row of ``x`` (its first axis), so that no single count
+  can overflow int32; sum it on the host.
+  """
+  if not jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros((2, 1), jnp.int32)
+  x = jnp.reshape(x, (x.shape[0] if x.ndim > 1 else 1, -1))
+  if jnp.iscomplexobj(x):
+    x = jnp.concatenate([jnp.real(x), jnp.imag(x)], axis=1)
+  magnitude, mask = _magnitude(_tested(x))
+  return jnp.stack(
+    [
+      jnp.sum(magnitude > mask, axis=1, dtype=jnp.int32),
+      jnp.sum(magnitude == mask, axis=1, dtype=jnp.int32),
+    ]
+  )
 
 
 def nonfinite_kinds(leaves: list[Any]) -> jax.Array:

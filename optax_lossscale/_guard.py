@@ -4,7 +4,9 @@ A step that produced NaN and was applied anyway (a model that is NaN by
 itself, a float8 layer's stale scale, a run without loss scaling) leaves it
 in the parameters or the optimizer state; saved, it poisons every run that
 resumes from it. :func:`check_checkpoint` refuses such a state, naming where
-the values are, for the price of the finite check's one fused reduction.
+the values are, for the price of the finite check's one fused reduction; the
+leaves of a failing state are fetched and counted on the host with
+``_finite``'s own bit tests, so naming them compiles nothing.
 """
 
 from __future__ import annotations
@@ -12,29 +14,42 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
-from optax_lossscale import _core, _state
+from optax_lossscale import _finite, _tree
 
 __all__ = ["check_checkpoint"]
 
-_all_finite = jax.jit(_core.all_finite)
+_all_finite = jax.jit(_finite.leaves_finite)
 
 
 def _floating_leaves(tree: Any) -> list[tuple[str, jax.Array]]:
   """``(path, array)`` of the floating array leaves (``nnx`` variables unwrapped)."""
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_state.is_variable)[0]
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree.is_variable)[0]
   out = []
   for path, x in flat:
-    x = _state.unwrap(x)
+    x = _tree.unwrap(x)
     if isinstance(x, jax.core.Tracer):
       raise ValueError(
         "check_checkpoint reads the values on the host: call it outside "
         "jax.jit (before saving), not inside a traced function."
       )
-    if _core.is_float_array(x):
-      out.append((jax.tree_util.keystr(path) or "<root>", x))
+    if _tree.is_float_array(x):
+      out.append((_tree.keystr(path), x))
   return out
+
+
+def _counts(x: jax.Array) -> tuple[int, int]:
+  """``(NaN entries, infinite entries)`` of ``x``, counted on the host.
+
+  An array that this process cannot fetch whole (sharded across processes)
+  is counted where it lies, with the same classification, by one jitted
+  reduction of the global array.
+  """
+  if getattr(x, "is_fully_addressable", True):
+    return _finite.count_nonfinite(x)
+  nans, infs = jax.device_get(jax.jit(_finite.count_nonfinite_device)(x))
+  return int(nans.sum(dtype=np.int64)), int(infs.sum(dtype=np.int64))
 
 
 def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
@@ -44,9 +59,11 @@ def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
   ols.check_checkpoint(state))``. The check is the loss scale's own finite
   check (:func:`all_finite`: one fused reduction over all leaves, jitted,
   and one boolean back to the host). Only when it fails are the leaves
-  examined one by one, to name each one that holds NaN or an infinity, with
-  counts. Integer, boolean and non-array leaves (a step counter, strings)
-  are not checked; ``nnx`` variables are read through.
+  fetched and counted on the host, to name each one that holds NaN or an
+  infinity, with counts: that compiles nothing, so a tree of 1000 leaves is
+  named in well under a second (BENCHMARKS.md). Integer, boolean and
+  non-array leaves (a step counter, strings) are not checked; ``nnx``
+  variables are read through.
 
   Args:
     tree: what is about to be saved: parameters, an optimizer state, a Flax
@@ -74,7 +91,7 @@ def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
     return tree
   bad = []
   for path, x in leaves:
-    nans, infs = (int(jnp.sum(f(x))) for f in (jnp.isnan, jnp.isinf))
+    nans, infs = _counts(x)
     if nans or infs:
       kinds = [f"{n} {k}" for n, k in ((nans, "NaN"), (infs, "inf")) if n]
       bad.append(f"{path}: {' and '.join(kinds)} (of {x.size} entries)")

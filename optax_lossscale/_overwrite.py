@@ -31,16 +31,16 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_lossscale import _core, _skip, _state
+from optax_lossscale import _skip, _state, _tree
 
 __all__ = [
   "OVERWRITE_WITH_GRADIENT",
   "OverwriteState",
-  "all_finite",
   "apply_overwrites",
   "as_floats",
   "find_overwrite_state",
   "is_overwrite_variable",
+  "mask_in",
   "merge",
   "on_regular_leaves",
   "overwrite_mask",
@@ -94,7 +94,7 @@ def _is_multi_steps_state(x: Any) -> bool:
 
 def is_overwrite_variable(x: Any) -> bool:
   """An ``nnx`` variable of Flax's collection (``nnx.bridge`` names its type so)."""
-  return _state.is_variable(x) and type(x).__name__ == OVERWRITE_WITH_GRADIENT
+  return _tree.is_variable(x) and type(x).__name__ == OVERWRITE_WITH_GRADIENT
 
 
 def _is_fp8_meta(x: Any) -> bool:
@@ -131,11 +131,11 @@ def overwrite_mask(tree: Any) -> Any | None:
     The mask, or ``None`` when ``tree`` has no overwrite leaf (the common
     case, decided at trace time: nothing is computed for it).
   """
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_state.is_variable)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree.is_variable)
   mask = [
     any(_named(e) for e in path)
     or is_overwrite_variable(x)
-    or _is_fp8_meta(_state.unwrap(x))
+    or _is_fp8_meta(_tree.unwrap(x))
     for path, x in flat
   ]
   return jax.tree.unflatten(treedef, mask) if any(mask) else None
@@ -163,7 +163,7 @@ def state_mask(inner_state: Any, grads: Any) -> Any | None:
       without them (by ``init`` on a tree that lacked them).
   """
   if isinstance(inner_state, OverwriteState):
-    values = _state.unwrap_variables(inner_state.overwrite_values)
+    values = _tree.unwrap_variables(inner_state.overwrite_values)
     return jax.tree.map(lambda v: not _is_masked(v), values, is_leaf=_is_masked)
   named = overwrite_mask(grads)
   if named is not None:
@@ -190,11 +190,6 @@ def as_floats(tree: Any) -> Any:
   return jax.tree.map(_as_float, tree)
 
 
-def all_finite(tree: Any) -> jax.Array:
-  """:func:`_core.all_finite` of overwrite leaves (``fp8_meta`` ones included)."""
-  return _core.all_finite(as_floats(tree))
-
-
 # --------------------------------------------------------------------------
 # The transformation.
 # --------------------------------------------------------------------------
@@ -202,8 +197,8 @@ def all_finite(tree: Any) -> jax.Array:
 
 def _empty(x: Any) -> jax.Array:
   """An array like ``x`` of ``-inf``, the identity of the maximum (a new buffer)."""
-  x = _state.unwrap(x)
-  if not (_core.is_float_array(x) or _is_fp8_meta(x)):
+  x = _tree.unwrap(x)
+  if not (_tree.is_float_array(x) or _is_fp8_meta(x)):
     raise ValueError(
       f"An overwrite leaf must be a floating array (Flax's float8 scales and "
       f"amax histories are float32); got {x!r}."
@@ -218,7 +213,7 @@ def _window_ended(old_inner: Any, new_inner: Any) -> jax.Array:
   Always, unless an ``optax.MultiSteps`` inside emits its update now and
   then: then when its ``gradient_step`` advanced.
   """
-  old = _state.find_all(old_inner, _is_multi_steps_state)
+  old = _tree.find_all(old_inner, _is_multi_steps_state)
   if not old:
     return jnp.array(True)
   if len(old) > 1:
@@ -227,7 +222,7 @@ def _window_ended(old_inner: Any, new_inner: Any) -> jax.Array:
       "overwrite leaves the loss scale must know when the optimizer steps, "
       "and cannot tell which of them decides. Use one MultiSteps."
     )
-  new = _state.find_all(new_inner, _is_multi_steps_state)
+  new = _tree.find_all(new_inner, _is_multi_steps_state)
   return new[0][1].gradient_step != old[0][1].gradient_step
 
 
@@ -258,7 +253,7 @@ def with_overwrites(
     if mask is None:
       raise ValueError("with_overwrites: the parameters hold no overwrite leaf.")
     regular, overwrite = split(params, mask)
-    values = jax.tree.map(_empty, overwrite, is_leaf=_state.is_variable)
+    values = jax.tree.map(_empty, overwrite, is_leaf=_tree.is_variable)
     return OverwriteState(values, jnp.zeros([], jnp.bool_), inner.init(regular))
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -300,11 +295,11 @@ def find_overwrite_state(opt_state: Any) -> OverwriteState | None:
       sees them, and their maximum cannot be recovered from the mean.
   """
   tree = _state.optimizer_state(opt_state)
-  found = _state.find_all(tree, _is_overwrite_state)
+  found = _tree.find_all(tree, _is_overwrite_state)
   if not found:
     return None
-  for _, multi_steps in _state.find_all(tree, _is_multi_steps_state):
-    if _state.find_all(multi_steps, _is_overwrite_state):
+  for _, multi_steps in _tree.find_all(tree, _is_multi_steps_state):
+    if _tree.find_all(multi_steps, _is_overwrite_state):
       raise ValueError(
         "optax.MultiSteps(<loss scale>(inner), k) with Flax's float8 "
         "overwrite leaves: MultiSteps averages their new values (amax "
@@ -361,21 +356,21 @@ def apply_overwrites(params: Any, opt_state: Any) -> Any:
   state = find_overwrite_state(opt_state)
   if state is None:
     return params
-  ready = _state.unwrap(state.overwrite_ready)
-  values = _state.unwrap_variables(state.overwrite_values)
+  ready = _tree.unwrap(state.overwrite_ready)
+  values = _tree.unwrap_variables(state.overwrite_values)
 
   if jax.tree.structure(values, is_leaf=_is_masked) != jax.tree.structure(params):
     raise ValueError(
       "apply_overwrites: the parameter tree does not match the optimizer "
       "state's; pass the tree that the optimizer was initialised on.\n"
-      f"  params: {_short(jax.tree.structure(params))}\n"
-      f"  state:  {_short(jax.tree.structure(values, is_leaf=_is_masked))}"
+      f"  params: {_tree.short(jax.tree.structure(params))}\n"
+      f"  state:  {_tree.short(jax.tree.structure(values, is_leaf=_is_masked))}"
     )
 
   def write(path, value, p):
     if _is_masked(value):
       return p
-    if not _core.is_array(p) or (p.shape, p.dtype) != (value.shape, value.dtype):
+    if not _tree.is_array(p) or (p.shape, p.dtype) != (value.shape, value.dtype):
       raise ValueError(
         f"apply_overwrites: the parameter at {jax.tree_util.keystr(path)} "
         f"({getattr(p, 'shape', p)}, {getattr(p, 'dtype', '')}) does not fit "
@@ -387,15 +382,16 @@ def apply_overwrites(params: Any, opt_state: Any) -> Any:
   return jax.tree_util.tree_map_with_path(write, values, params, is_leaf=_is_masked)
 
 
-def _short(treedef: Any, limit: int = 300) -> str:
-  text = str(treedef)
-  return text if len(text) <= limit else text[:limit] + " ..."
+def mask_in(opt_state: Any) -> Any | None:
+  """The overwrite mask of the optimizer state ``opt_state``; ``None`` if none."""
+  state = find_overwrite_state(opt_state)
+  return None if state is None else state_mask(state, None)
 
 
 def on_regular_leaves(fn: Callable[[Any], Any], tree: Any, opt_state: Any) -> Any:
   """``fn`` of ``tree`` without the overwrite leaves, which are put back as they are."""
-  state = find_overwrite_state(opt_state)
-  if state is None:
+  mask = mask_in(opt_state)
+  if mask is None:
     return fn(tree)
-  regular, overwrite = split(tree, state_mask(state, None))
+  regular, overwrite = split(tree, mask)
   return merge(fn(regular), overwrite)

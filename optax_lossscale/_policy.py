@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _core
+from optax_lossscale import _tree
 
 _DTYPE_NAMES = {
   "float16": jnp.float16,
@@ -76,7 +76,7 @@ def _dtype(text: str, part: str, backend: str | None) -> jnp.dtype:
 
 def _cast(tree: Any, dtype: jnp.dtype) -> Any:
   def one(x):
-    if _core.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
+    if _tree.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
       return x.astype(dtype) if x.dtype != dtype else x
     return x
 

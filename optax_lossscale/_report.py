@@ -15,8 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_lossscale import _config, _finite, _state, _telemetry, _validate
-from optax_lossscale._loss_scale import LossScale
+from optax_lossscale import _config, _finite, _state, _telemetry, _tree, _validate
 
 __all__ = [
   "LeafReport",
@@ -218,7 +217,7 @@ def _last_step_text(report: NonFiniteReport) -> str:
 def _record(opt_state: Any, required: bool = True) -> Any:
   """The :class:`NonFiniteRecord` in ``opt_state`` (arrays fetched), or ``None``."""
   found = _state.find_loss_scale_state(opt_state)
-  record = None if isinstance(found, LossScale) else _state.unwrap(found.nonfinite)
+  record = _tree.unwrap(found.nonfinite)
   if record is None:
     if required:
       raise ValueError(
@@ -227,7 +226,7 @@ def _record(opt_state: Any, required: bool = True) -> Any:
         "static_loss_scale, with_loss_scale, LossScaleOptimizer)."
       )
     return None
-  record = _state.unwrap_variables(record)
+  record = _tree.unwrap_variables(record)
   if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(record)):
     raise ValueError(
       "The non-finite report is read on the host: call it outside jax.jit, "

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _core, _jaxpr
+from optax_lossscale import _jaxpr, _tree
 
 __all__ = [
   "SkipFallbackWarning",
@@ -63,7 +63,7 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
   """
 
   def one(a, b):
-    if _core.is_array(a) and a.dtype != jax.dtypes.float0:
+    if _tree.is_array(a) and a.dtype != jax.dtypes.float0:
       return select(pred, a, b)
     return a
 
@@ -75,7 +75,7 @@ class SkipFallbackWarning(UserWarning):
 
 
 def _zeros_where_skipped(should_apply: jax.Array, updates: Any) -> Any:
-  zeros = jax.tree.map(lambda u: jnp.zeros_like(u) if _core.is_array(u) else u, updates)
+  zeros = jax.tree.map(lambda u: jnp.zeros_like(u) if _tree.is_array(u) else u, updates)
   return select_tree(should_apply, updates, zeros)
 
 
@@ -164,7 +164,7 @@ def update_on_selected_state(
     updates if ``should_apply`` (garbage otherwise: the caller zeroes them).
   """
   leaves, treedef = jax.tree.flatten((grads, inner_state, params, extra_args))
-  traced = [i for i, x in enumerate(leaves) if _core.is_array(x)]
+  traced = [i for i, x in enumerate(leaves) if _tree.is_array(x)]
   returned: list[Any] = []
 
   def flat_update(*arrays):
@@ -194,7 +194,7 @@ def update_on_selected_state(
   selectors: dict[Any, Callable[[Any], Any]] = {}
   for i, v in enumerate(state_outvars):
     if (
-      isinstance(v, _jaxpr.Var) and v not in selectors and _core.is_array(old_state[i])
+      isinstance(v, _jaxpr.Var) and v not in selectors and _tree.is_array(old_state[i])
     ):
       selectors[v] = lambda x, old=old_state[i]: select(should_apply, x, old)
   outs, selected = _evaluate_selecting(closed.jaxpr, closed.consts, arrays, selectors)
@@ -202,9 +202,9 @@ def update_on_selected_state(
   state_flat = []
   first: dict[Any, int] = {}
   for i, (v, x) in enumerate(zip(state_outvars, outs[n_updates:], strict=True)):
-    if not _core.is_array(old_state[i]):  # a static leaf: the new one, as it
+    if not _tree.is_array(old_state[i]):  # a static leaf: the new one, as it
       new = returned[i]  # was returned (select_tree takes it from on_true)
-      state_flat.append(x if _core.is_array(new) else new)
+      state_flat.append(x if _tree.is_array(new) else new)
     elif isinstance(v, _jaxpr.Var) and v in selected and first.setdefault(v, i) == i:
       state_flat.append(x)  # selected where it was made
     else:  # passed through, a literal, or a repeated value: select it here

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _core, _finite, _state
+from optax_lossscale import _core, _finite, _tree
 
 __all__ = ["NonFiniteRecord", "initial_record", "leaf_paths", "note"]
 
@@ -119,7 +119,7 @@ def _is_leaf(x: Any) -> bool:
   """A parameter tree's leaf for the record: ``None`` (a parameter without
   gradient keeps its place) or a box holding one array (an ``nnx``
   variable, a Linen ``Partitioned``), whose path is the box's own."""
-  return x is None or _state.is_variable(x) or callable(getattr(x, "unbox", None))
+  return x is None or _tree.is_variable(x) or callable(getattr(x, "unbox", None))
 
 
 def leaf_paths(tree: Any) -> tuple[str, ...]:

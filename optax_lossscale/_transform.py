@@ -1,35 +1,39 @@
 """The loss-scale optax transformations: any optax transformation, loss-scaled.
 
 :func:`dynamic_loss_scale` and :func:`static_loss_scale` validate their
-hyper-parameters into a ``LossScaleConfig``; :func:`with_loss_scale` takes a
-``LossScale`` object's. All three build the same transformation, whose
-``update`` calls the core (unscale and check, adjust) and the skip.
+hyper-parameters into a ``LossScaleConfig`` and build the one
+transformation, :func:`loss_scale_transformation`, whose ``update``
+validates the gradients once and calls the core (unscale, check, adjust),
+the non-finite record and the skip. The porting package's
+``with_loss_scale`` and ``LossScaleOptimizer`` build it too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _config, _core, _overwrite, _skip, _state, _telemetry
+from optax_lossscale import _config, _core, _overwrite, _skip, _state, _telemetry, _tree
 from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._core import LossScaleState
-from optax_lossscale._loss_scale import LossScale
 
 __all__ = [
   "dynamic_loss_scale",
   "loss_scale_transformation",
   "static_loss_scale",
-  "with_loss_scale",
 ]
 
 
-def _check_grads_match(grads: Any, params: Any) -> None:
-  """A readable error, at trace time, when ``grads`` do not fit ``params``."""
+def _validate_grads(grads: Any, params: Any) -> None:
+  """The one validation of an update's gradients, with readable errors at trace time.
+
+  Every leaf must be an array (:func:`_tree.array_leaves`), and with
+  ``params`` the tree must have the parameters' structure and shapes.
+  """
+  _tree.array_leaves(grads)
   if params is None:
     return
   try:
@@ -42,15 +46,15 @@ def _check_grads_match(grads: Any, params: Any) -> None:
     ) from None
 
   def check(path, g, p):
-    if _core.is_array(g) and not _core.is_array(p):
+    if _tree.is_array(g) and not _tree.is_array(p):
       raise ValueError(
-        f"Gradient at {jax.tree_util.keystr(path)} is one array where the "
+        f"Gradient at {_tree.keystr(path)} is one array where the "
         f"parameters have a subtree ({jax.tree.structure(p)}): the gradient "
         "tree must have the parameters' structure."
       )
-    if _core.is_array(g) and _core.is_array(p) and g.shape != p.shape:
+    if _tree.is_array(g) and _tree.is_array(p) and g.shape != p.shape:
       raise ValueError(
-        f"Gradient at {jax.tree_util.keystr(path)} has shape {g.shape} but "
+        f"Gradient at {_tree.keystr(path)} has shape {g.shape} but "
         f"the parameter has shape {p.shape}."
       )
 
@@ -70,14 +74,9 @@ def _check_inner_state(inner: Any, inner_state: Any, grads: Any, params: Any) ->
       "The state's inner_state was not made by this loss scale's inner "
       "optimizer (a state saved with another optimizer?). Restore it into "
       "the optimizer that made it, or init a fresh state with this one.\n"
-      f"  state holds:    {_short(got)}\n"
-      f"  inner.init has: {_short(expected)}"
+      f"  state holds:    {_tree.short(got)}\n"
+      f"  inner.init has: {_tree.short(expected)}"
     )
-
-
-def _short(treedef: Any, limit: int = 300) -> str:
-  text = str(treedef)
-  return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def loss_scale_transformation(
@@ -85,19 +84,16 @@ def loss_scale_transformation(
   config: LossScaleConfig,
   *,
   axis_name: Any = None,
-  check: Callable[..., tuple[Any, jax.Array]] = _core.unscale_and_check,
-  skip: Callable[..., tuple[Any, Any]] = _skip.apply_or_skip,
   factor: float | None = None,
   track_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """The loss-scaled transformation for a validated ``config``.
 
-  What :func:`with_loss_scale` and its two shorthands return. ``check`` and
-  ``skip`` are the core's ``unscale_and_check`` and the skip's
-  ``apply_or_skip``, with the same signatures; ``benchmarks/bench.py``
-  passes other designs in their place to measure them. ``factor`` is the
-  Keras facade's ``loss_scale_factor``, divided out after the scale;
-  ``track_nonfinite`` keeps a :class:`NonFiniteRecord` in the state.
+  What :func:`dynamic_loss_scale`, :func:`static_loss_scale` and the
+  porting package's ``with_loss_scale`` and ``LossScaleOptimizer`` return.
+  ``factor`` is the Keras facade's ``loss_scale_factor``, divided out after
+  the scale; ``track_nonfinite`` keeps a :class:`NonFiniteRecord` in the
+  state.
   """
   if not (
     callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
@@ -113,7 +109,7 @@ def loss_scale_transformation(
   def init_fn(params):
     has_overwrites = _overwrite.overwrite_mask(params) is not None
     inner_state = (overwriting if has_overwrites else inner).init(params)
-    nested = _state.find_all(inner_state, _state.is_loss_scale_state)
+    nested = _tree.find_all(inner_state, _state.is_loss_scale_state)
     if nested:
       paths = ", ".join(".inner_state" + jax.tree_util.keystr(p) for p, _ in nested)
       raise ValueError(
@@ -136,7 +132,7 @@ def loss_scale_transformation(
         f"own init(); got a state of type {type(state).__name__}. Was this "
         "state produced by another optimizer?"
       )
-    _check_grads_match(updates, params)
+    _validate_grads(updates, params)
     if track_nonfinite and state.nonfinite is None:
       raise ValueError(
         "This loss scale was built with track_nonfinite=True but the state "
@@ -144,53 +140,56 @@ def loss_scale_transformation(
         "Init a fresh state with this optimizer (or restore into one)."
       )
     scale = state.loss_scale
+    # Flax's float8 overwrite leaves (new values, not gradients): never
+    # unscaled and never seen by `inner`, but checked with the gradients.
     mask = _overwrite.state_mask(state.inner_state, updates)
+    body = inner if mask is None else overwriting
     if mask is None:
-      body = inner
       _check_inner_state(inner, state.inner_state, updates, params)
-      grads, finite = check(updates, scale, config, axis_name, factor=factor)
     else:
-      # Overwrite leaves: not unscaled, not seen by `inner`, but checked.
-      body = overwriting
-      regular, values = _overwrite.split(updates, mask)
       regular_params = None if params is None else _overwrite.split(params, mask)[0]
-      _check_inner_state(inner, state.inner_state.inner_state, regular, regular_params)
-      grads, finite = check(regular, scale, config, axis_name, factor=factor)
-      if not config.noop:
-        values_finite = _core.reduce_flag(_overwrite.all_finite(values), axis_name)
-        finite = jnp.logical_and(finite, values_finite)
-      grads = _overwrite.merge(grads, values)
+      _check_inner_state(
+        inner,
+        state.inner_state.inner_state,
+        _overwrite.split(updates, mask)[0],
+        regular_params,
+      )
+
+    def as_checked(tree):  # float8 meta values as the floats they hold
+      return tree if mask is None else _overwrite.as_floats(tree)
+
+    def unscaled(g):
+      return _core.unscale_tree(g, scale, factor, keep=mask)
+
+    grads = updates if config.noop else unscaled(updates)
+    if config.noop and not track_nonfinite:
+      finite = jnp.array(True)  # nothing is checked
+    else:
+      try:
+        finite = _core.check(
+          as_checked(updates), as_checked(grads), config, axis_name, factor=factor
+        )
+      except ValueError as e:
+        if not config.noop:
+          raise
+        raise ValueError(
+          "NoOpLossScale skips nothing, but its non-finite record needs one "
+          "flag for all devices. " + str(e).replace("skip the step", "record it")
+        ) from None
     new_state, should_apply = _core.adjust(state, finite, config)
     if track_nonfinite:
-
-      def unscaled(g):  # what the check read (float8 meta values as floats)
-        if mask is None:
-          return _core.unscale_all(g, scale, factor)
-        regular, values = _overwrite.split(g, mask)
-        values = _overwrite.as_floats(values)
-        return _overwrite.merge(_core.unscale_all(regular, scale, factor), values)
-
-      if config.noop:  # nothing was checked: check for the record alone
-        try:
-          finite = _core.reduce_flag(_core.all_finite(unscaled(updates)), axis_name)
-        except ValueError as e:
-          raise ValueError(
-            "NoOpLossScale skips nothing, but its non-finite record needs one "
-            "flag for all devices. " + str(e).replace("skip the step", "record it")
-          ) from None
-
       record = _telemetry.note(
         state.nonfinite,
         finite,
         updates,
-        unscaled,
+        lambda g: as_checked(unscaled(g)),  # what the check read
         extra_args.get("value"),
         scale,
         axis_name,
       )
       new_state = new_state._replace(nonfinite=record)
     if config.skip_nonfinite:
-      new_updates, new_inner = skip(
+      new_updates, new_inner = _skip.apply_or_skip(
         body, should_apply, grads, state.inner_state, params, extra_args
       )
     else:
@@ -200,62 +199,6 @@ def loss_scale_transformation(
     return new_updates, new_state._replace(inner_state=new_inner)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def with_loss_scale(
-  inner: optax.GradientTransformation,
-  loss_scale: LossScale,
-  *,
-  axis_name: Any = None,
-  track_nonfinite: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-  """Wraps ``inner`` with the loss scale ``loss_scale`` (any kind).
-
-  :func:`dynamic_loss_scale` and :func:`static_loss_scale` are this function
-  with a :class:`DynamicLossScale` or :class:`StaticLossScale`; pass a
-  :class:`NoOpLossScale` to keep one code path for float32/bfloat16 runs.
-
-  ``update(grads, state, params)`` takes gradients of the *scaled* loss and:
-
-  1. unscales them with the state's current scale, in float32;
-  2. checks that every floating entry is finite (ANDed over ``axis_name``);
-  3. feeds the unscaled gradients to ``inner``; on a skipped step the updates
-     are zeros of the same dtypes and the inner state is returned unchanged
-     (a schedule's step count does not advance);
-  4. adjusts the scale and counters.
-
-  The skip is a ``lax.select``, not a ``lax.cond``: no branch and no host
-  sync, so it fuses with the inner update.
-
-  Leaves that Flax's float8 layers overwrite with their new value (the
-  collection ``_overwrite_with_gradient``: scales and amax histories) are
-  not unscaled and not given to ``inner``, but checked with the gradients;
-  their updates are zeros and :func:`apply_overwrites` writes their new
-  values (the maximum over an ``optax.MultiSteps`` window inside).
-
-  Args:
-    inner: the transformation to wrap (``optax.chain(...)`` included).
-    loss_scale: a :class:`LossScale`; only its configuration is used, every
-      ``init`` starts from fresh counters.
-    axis_name: the mapped axis (``pmap``/``shard_map``) to AND the finite flag
-      over, so that every replica takes the same decision.
-    track_nonfinite: record, in the state, which gradient leaves were not
-      finite on which steps, NaN or infinity, and whether the loss (passed
-      to ``update`` as ``value=``) was itself not finite; read it with
-      :func:`nonfinite_report`. Finite steps do none of this work.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`LossScaleState`.
-  """
-  if not isinstance(loss_scale, LossScale):
-    raise ValueError(
-      "`loss_scale` must be a DynamicLossScale, StaticLossScale or "
-      f"NoOpLossScale, got {loss_scale!r}."
-    )
-  return loss_scale_transformation(
-    inner, loss_scale.config, axis_name=axis_name, track_nonfinite=track_nonfinite
-  )
 
 
 def dynamic_loss_scale(

@@ -300,12 +300,13 @@ def test_config_survives_jit_and_tree_map():
   paths = [
     jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(ls)[0]
   ]
+  # The one child is the LossScaleState (found by get_scale's search).
   assert paths == [
-    ".loss_scale",
-    ".good_steps",
-    ".hysteresis_left",
-    ".skipped_steps",
-    ".consecutive_skips",
+    ".counters.loss_scale",
+    ".counters.good_steps",
+    ".counters.hysteresis_left",
+    ".counters.skipped_steps",
+    ".counters.consecutive_skips",
   ]
 
 

@@ -22,7 +22,7 @@ from flax import nnx  # noqa: E402
 from flax.linen import fp8_ops  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
-from optax_lossscale import _overwrite, _state  # noqa: E402
+from optax_lossscale import _overwrite, _tree  # noqa: E402
 from optax_lossscale.flax import (  # noqa: E402
   LossScaleTrainState,
   is_overwrite_variable,
@@ -90,7 +90,7 @@ def _step(state, x, y, poison=False):
 
 
 def _adam_state(opt_state):
-  return _state.find_unique(
+  return _tree.find_unique(
     opt_state, lambda s: isinstance(s, optax.ScaleByAdamState), "adam state"
   )
 

@@ -5,7 +5,9 @@ reports deterministically: bytes accessed, temporary memory, copies and
 reductions in the compiled step.
 """
 
+import os
 import re
+import sys
 import warnings
 
 import chex
@@ -17,7 +19,14 @@ import versions
 from xla_costs import check_scratch
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _core, _skip, _transform
+from optax_lossscale import _config, _core, _finite, _skip
+
+# The rejected designs (a select after the update), built as the benchmarks
+# build them.
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import variants  # noqa: E402
+
+sys.path.pop(0)
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam, schedules, ...
 
@@ -152,7 +161,7 @@ def test_a_jitted_inner_update_keeps_the_saving(name, inner):
   assert temp < check_scratch(grads) + 0.01 * param_bytes, name
   # What the skip's fallback (a select after the update) costs on the same step.
   config = _config.dynamic_config()
-  after = _transform.loss_scale_transformation(inner(), config, skip=_skip.select_after)
+  after = variants.variant(inner(), config, skip=_skip.select_after)
   after = _compiled(after, params, grads)
   assert after.memory_analysis().temp_size_in_bytes >= param_bytes
 
@@ -271,9 +280,7 @@ def test_literal_state_leaves_need_no_fallback(name, make):
   """States that return a constant (a literal in the jaxpr) as a leaf."""
   params = _params(2)
   tx = ols.dynamic_loss_scale(make(), initial_scale=2.0)
-  plain = _transform.loss_scale_transformation(
-    make(), _config.dynamic_config(2.0), skip=_skip.select_after
-  )
+  plain = variants.variant(make(), _config.dynamic_config(2.0), skip=_skip.select_after)
   state = tx.init(params)
   with warnings.catch_warnings():
     warnings.simplefilter("error", ols.SkipFallbackWarning)
@@ -297,7 +304,7 @@ def test_the_plain_select_would_copy_the_state():
     return _core.initial_state(_config.LossScaleConfig(), inner.init(p))
 
   def update(g, state, p):
-    ok = _core.all_finite(g)
+    ok = _finite.all_finite(g)
     u, s = inner.update(g, state.inner_state, p)
     u = _skip.select_tree(ok, u, jax.tree.map(jnp.zeros_like, u))
     return u, state._replace(inner_state=_skip.select_tree(ok, s, state.inner_state))
@@ -322,7 +329,7 @@ def test_finite_check_is_not_a_reduction_per_leaf():
     if " fusion(" in line
     and leaves & set(re.split(r"[(), ]+", line.split(" fusion(", 1)[1].split(")")[0]))
   ]
-  chunk = _core.FINITE_CHECK_CHUNK
+  chunk = _finite.FINITE_CHECK_CHUNK
   groups = -(-200 // chunk) + -(-40 // chunk) + 1
   assert len(leaves) == len(sizes)
   assert 1 <= len(readers) <= groups, len(readers)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _core, _state, _validate
+from optax_lossscale import _state, _tree, _validate
 
 
 class EmaParamsState(NamedTuple):
@@ -84,7 +84,7 @@ def ema_params(
     # it twice.
     ema = jax.tree.map(
       lambda p: (
-        jnp.array(p, _ema_dtype(p), copy=True) if _core.is_float_array(p) else p
+        jnp.array(p, _ema_dtype(p), copy=True) if _tree.is_float_array(p) else p
       ),
       params,
     )
@@ -97,7 +97,7 @@ def ema_params(
     m = jnp.where(state.count == 0, 0.0, momentum).astype(jnp.float32)
 
     def average(avg, p):
-      if not _core.is_float_array(p):
+      if not _tree.is_float_array(p):
         return avg
       dt = avg.dtype
       return m.astype(dt) * avg + (1 - m).astype(dt) * p.astype(dt)
@@ -107,7 +107,7 @@ def ema_params(
       overwrite = (state.count + 1) % overwrite_frequency == 0
 
       def to_average(u, avg, p):
-        if not (_core.is_float_array(u) and _core.is_float_array(p)):
+        if not (_tree.is_float_array(u) and _tree.is_float_array(p)):
           return u
         jump = (avg.astype(p.dtype) - p).astype(u.dtype)
         return jnp.where(overwrite, jump, u)
@@ -132,10 +132,10 @@ def get_ema_params(opt_state: Any) -> optax.Params:
   Raises:
     ValueError: no :func:`ema_params` state in ``opt_state``, or several.
   """
-  state = _state.find_unique(
+  state = _tree.find_unique(
     _state.optimizer_state(opt_state), _is_ema_state, "ema_params state"
   )
-  return _state.unwrap_variables(state.ema)
+  return _tree.unwrap_variables(state.ema)
 
 
 def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Params:
@@ -153,7 +153,7 @@ def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Para
   ema = get_ema_params(opt_state)
 
   def swap(p, avg):
-    if isinstance(avg, optax.MaskedNode) or not _core.is_float_array(p):
+    if isinstance(avg, optax.MaskedNode) or not _tree.is_float_array(p):
       return p
     return avg.astype(p.dtype)
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_lossscale import _loss_scale, _validate
-from optax_lossscale._keras import LossScaleOptimizer
+from optax_lossscale import _validate
+from optax_lossscale.porting import _loss_scale
+from optax_lossscale.porting._keras import LossScaleOptimizer
 
 __all__ = ["ExperimentalLossScaleOptimizer"]
 

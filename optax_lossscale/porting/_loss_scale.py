@@ -1,13 +1,16 @@
 """TensorFlow's ``LossScale`` objects, as a thin facade over the core functions.
 
 :class:`DynamicLossScale`, :class:`StaticLossScale` and :class:`NoOpLossScale`
-are immutable pytrees: their leaves are a :class:`LossScaleState`'s counters
-(device arrays), their :class:`LossScaleConfig` is static metadata (never a
-leaf, so ``jax.jit`` can neither trace nor drop it). Calling one gives the
-current scale; ``update(grads)`` gives the next object and whether to apply
-the step, as TensorFlow's ``LossScale.update`` does. TensorFlow's argument
-names (``initial_loss_scale``, ``increment_period``, ``multiplier``) are
-accepted here, and only here.
+are immutable pytrees: their one child is a :class:`LossScaleState` (its
+counters are device arrays; the same state the transformations keep, so
+``get_scale`` and ``diagnostics`` find it by the same search), their
+:class:`LossScaleConfig` is static metadata (never a leaf, so ``jax.jit`` can
+neither trace nor drop it). Calling one gives the current scale;
+``update(grads)`` gives the next object and whether to apply the step, as
+TensorFlow's ``LossScale.update`` does. TensorFlow's argument names
+(``initial_loss_scale``, ``increment_period``, ``multiplier``) are accepted
+here, and only here. :func:`with_loss_scale` wraps an optax transformation in
+the loss scale a ``LossScale`` object configures.
 """
 
 from __future__ import annotations
@@ -17,18 +20,26 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from optax_lossscale import _config, _core, _validate
+from optax_lossscale import _config, _core, _finite, _transform, _tree, _validate
 from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._core import LossScaleState
 
-__all__ = ["DynamicLossScale", "LossScale", "NoOpLossScale", "StaticLossScale"]
+__all__ = [
+  "DynamicLossScale",
+  "LossScale",
+  "NoOpLossScale",
+  "StaticLossScale",
+  "with_loss_scale",
+]
 
 
 class LossScale:
   """Base class: a loss scale as an immutable pytree (TensorFlow's ``LossScale``).
 
-  The counters of :class:`LossScaleState` are the leaves, readable as
+  Its pytree child is a :class:`LossScaleState` (``inner_state`` and
+  ``nonfinite`` are ``None``), whose counters are the leaves, readable as
   attributes (``ls.loss_scale``, ``ls.good_steps``, …); :attr:`config` is
   static metadata, kept intact through ``jax.jit``, ``jax.tree.map`` and
   flatten/unflatten.
@@ -57,32 +68,34 @@ class LossScale:
     """The same loss scale (same config) with other counters.
 
     Args:
-      counters: a :class:`LossScaleState` (its ``inner_state`` is dropped), or
-        the five counters in the order of its fields (the pytree's leaves).
+      counters: a :class:`LossScaleState` (its ``inner_state`` and
+        ``nonfinite`` are dropped), or the five counters in the order of its
+        fields (the pytree's leaves).
     """
     if isinstance(counters, LossScaleState):
       counters = [getattr(counters, f) for f in _core.COUNTER_FIELDS]
-    return self.tree_unflatten(self._config, tuple(counters))
+    counters = tuple(counters)
+    if len(counters) != len(_core.COUNTER_FIELDS):
+      raise ValueError(
+        f"A loss scale has {len(_core.COUNTER_FIELDS)} counters "
+        f"({', '.join(_core.COUNTER_FIELDS)}), got {len(counters)}."
+      )
+    return self.tree_unflatten(self._config, (LossScaleState(*counters),))
 
-  # -- pytree --------------------------------------------------------------
+  # -- pytree: one child, the state ------------------------------------------
 
   def tree_flatten_with_keys(self):
-    keys = [jax.tree_util.GetAttrKey(f) for f in _core.COUNTER_FIELDS]
-    return list(zip(keys, self.tree_flatten()[0], strict=True)), self._config
+    return [(jax.tree_util.GetAttrKey("counters"), self._state)], self._config
 
   def tree_flatten(self):
-    return tuple(getattr(self._state, f) for f in _core.COUNTER_FIELDS), self._config
+    return (self._state,), self._config
 
   @classmethod
   def tree_unflatten(cls, config, children):
-    if len(children) != len(_core.COUNTER_FIELDS):
-      raise ValueError(
-        f"A loss scale has {len(_core.COUNTER_FIELDS)} counters "
-        f"({', '.join(_core.COUNTER_FIELDS)}), got {len(children)}."
-      )
+    (state,) = children
     obj = object.__new__(cls)
     obj._config = config
-    obj._state = LossScaleState(*children)
+    obj._state = state
     return obj
 
   # -- read access ---------------------------------------------------------
@@ -137,7 +150,8 @@ class LossScale:
     """Checks already-unscaled ``grads`` and adjusts the scale.
 
     Args:
-      grads: the unscaled gradients; ``None`` leaves are ignored.
+      grads: the unscaled gradients; ``None`` leaves are ignored, a leaf that
+        is not an array is a ``ValueError`` naming it.
       axis_name: if set, the finite flag is ANDed across this mapped axis, so
         every replica takes the same decision.
 
@@ -145,9 +159,11 @@ class LossScale:
       ``(new_loss_scale, should_apply_gradients)``: a new object of the same
       type and a scalar boolean array.
     """
+    _tree.array_leaves(grads)
     if self._config.noop:
       return self, jnp.array(True)
-    return self.adjust(_core.reduce_flag(_core.all_finite(grads), axis_name))
+    finite = _finite.leaves_finite(jax.tree.leaves(grads))
+    return self.adjust(_core.reduce_flag(finite, axis_name))
 
   def unscale_and_update(
     self, scaled_grads: Any, *, axis_name: Any = None
@@ -155,11 +171,14 @@ class LossScale:
     """:meth:`unscale`, then :meth:`update`: what an optimizer step needs.
 
     Returns ``(unscaled_grads, new_loss_scale, should_apply)``, computed by
-    the core's ``unscale_and_check`` as the optax transformations do.
+    the core's ``unscale_tree`` and ``check`` as the optax transformations
+    compute them.
     """
-    grads, finite = _core.unscale_and_check(
-      scaled_grads, self._state.loss_scale, self._config, axis_name
-    )
+    _tree.array_leaves(scaled_grads)
+    if self._config.noop:
+      return scaled_grads, self, jnp.array(True)
+    grads = _core.unscale_tree(scaled_grads, self._state.loss_scale)
+    finite = _core.check(scaled_grads, grads, self._config, axis_name)
     new, should_apply = self.adjust(finite)
     return grads, new, should_apply
 
@@ -356,3 +375,56 @@ class NoOpLossScale(LossScale):
 
   def get_config(self) -> dict[str, Any]:
     return {}
+
+
+def with_loss_scale(
+  inner: optax.GradientTransformation,
+  loss_scale: LossScale,
+  *,
+  axis_name: Any = None,
+  track_nonfinite: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps ``inner`` with the loss scale that ``loss_scale`` configures.
+
+  The same transformation as :func:`~optax_lossscale.dynamic_loss_scale`
+  (for a :class:`DynamicLossScale`) or
+  :func:`~optax_lossscale.static_loss_scale` (for a
+  :class:`StaticLossScale`); a :class:`NoOpLossScale` keeps one code path
+  for float32/bfloat16 runs (scale 1, nothing unscaled, nothing skipped).
+  Only the object's configuration is used: every ``init`` starts from fresh
+  counters.
+
+  Args:
+    inner: the transformation to wrap (``optax.chain(...)`` included).
+    loss_scale: a :class:`LossScale`.
+    axis_name: the mapped axis (``pmap``/``shard_map``) to AND the finite flag
+      over, so that every replica takes the same decision.
+    track_nonfinite: keep a record of which gradient leaves were not finite
+      (see :func:`~optax_lossscale.nonfinite_report`); with a
+      :class:`NoOpLossScale` the gradients are then checked for the record
+      alone.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`LossScaleState`.
+
+  Raises:
+    ValueError: ``loss_scale`` is not a :class:`LossScale`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from optax_lossscale.porting import NoOpLossScale, with_loss_scale
+    >>> tx = with_loss_scale(optax.sgd(0.1), NoOpLossScale())
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> updates, state = tx.update({"w": jnp.ones(2)}, state)
+    >>> updates["w"]
+    Array([-0.1, -0.1], dtype=float32)
+  """
+  if not isinstance(loss_scale, LossScale):
+    raise ValueError(
+      "`loss_scale` must be a DynamicLossScale, StaticLossScale or "
+      f"NoOpLossScale, got {loss_scale!r}."
+    )
+  return _transform.loss_scale_transformation(
+    inner, loss_scale.config, axis_name=axis_name, track_nonfinite=track_nonfinite
+  )

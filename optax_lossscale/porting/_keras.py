@@ -18,15 +18,15 @@ import optax
 from optax_lossscale import (
   _config,
   _core,
-  _ema,
+  _finite,
   _grad,
-  _loss_scale,
-  _optimizers,
   _overwrite,
   _state,
   _transform,
+  _tree,
   _validate,
 )
+from optax_lossscale.porting import _ema, _loss_scale, _optimizers
 
 #: Keras' default ``dynamic_growth_steps``.
 DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
@@ -316,17 +316,18 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     Flax's float8 overwrite leaves (new values, not gradients) are returned
     as they are, as ``update`` takes them.
     """
-    scale = _state.get_scale(state)
-    return _overwrite.on_regular_leaves(
-      lambda regular: _core.unscale_all(regular, scale, self._loss_scale_factor),
+    _tree.array_leaves(grads)
+    return _core.unscale_tree(
       grads,
-      state,
+      _state.get_scale(state),
+      self._loss_scale_factor,
+      keep=_overwrite.mask_in(state),
     )
 
   @staticmethod
   def check_finite(grads: Any) -> jax.Array:
     """Whether every floating entry of ``grads`` is finite (a bool scalar)."""
-    return _core.all_finite(grads)
+    return _finite.all_finite(grads)
 
   def finalize_variable_values(self, params: Any, state: Any) -> Any:
     """``params`` with the EMA swapped in if ``use_ema``, else ``params``."""

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _core, _state, _validate
+from optax_lossscale import _state, _tree, _validate
 
 __all__ = [
   "clip_each_by_norm",
@@ -92,7 +92,7 @@ def _is_inject_state(x: Any) -> bool:
 
 def _learning_rate_node(state: Any) -> Any:
   try:
-    return _state.find_unique(
+    return _tree.find_unique(
       state,
       lambda x: _is_inject_state(x) and "learning_rate" in x.hyperparams,
       "optax.inject_hyperparams state with a learning_rate",
@@ -110,7 +110,7 @@ def get_learning_rate(opt_state: Any) -> jax.Array:
   After a step it is the rate that step used (schedules included).
   """
   state = _state.optimizer_state(opt_state)
-  return _state.unwrap(_learning_rate_node(state).hyperparams["learning_rate"])
+  return _tree.unwrap(_learning_rate_node(state).hyperparams["learning_rate"])
 
 
 def set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
@@ -157,7 +157,7 @@ def decoupled_weight_decay(
     lr = _learning_rate_node(state).hyperparams["learning_rate"]
 
     def decay(u, p):
-      if not (_core.is_float_array(u) and _core.is_float_array(p)):
+      if not (_tree.is_float_array(u) and _tree.is_float_array(p)):
         return u
       step = p * jnp.asarray(weight_decay, p.dtype) * lr.astype(p.dtype)
       return u - step.astype(u.dtype)
@@ -174,7 +174,7 @@ def clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
     del params
 
     def one(g):
-      if not _core.is_float_array(g):
+      if not _tree.is_float_array(g):
         return g
       # Keras' formula: g * max_norm / max(norm, max_norm), in float32.
       g32 = g.astype(jnp.float32)

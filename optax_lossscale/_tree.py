@@ -1,0 +1,137 @@
+"""Tree utilities under every other module: which leaves are arrays, finding nodes.
+
+Nothing here knows about loss scaling: what counts as an array leaf, the
+check that a gradient tree holds only arrays, a search for the nodes of a
+nested state that satisfy a predicate, and the unwrapping of Flax ``nnx``
+variables (found by their ``get_value`` method; Flax is never imported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+  "array_leaves",
+  "find_all",
+  "find_unique",
+  "is_array",
+  "is_float_array",
+  "is_variable",
+  "keystr",
+  "short",
+  "unwrap",
+  "unwrap_variables",
+]
+
+
+def is_array(x: Any) -> bool:
+  """A JAX or NumPy array (or scalar); ``None`` and other leaves are not."""
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def is_float_array(x: Any) -> bool:
+  """A leaf that loss scaling touches: an array of a floating dtype."""
+  # float0, integer and bool arrays are not `inexact`.
+  return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def keystr(path: Any) -> str:
+  """A key path as ``jax.tree_util.keystr`` writes it; ``<root>`` for the root."""
+  return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def short(treedef: Any, limit: int = 300) -> str:
+  """A tree structure as text, cut at ``limit`` characters for messages."""
+  text = str(treedef)
+  return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
+  """The leaves of ``tree``, all of them arrays (``None`` is no leaf).
+
+  Raises:
+    ValueError: a leaf is not an array (a Python number, a string, ...),
+      naming its path: loss scaling cannot unscale or check it, and passing
+      it through would apply it unscaled.
+  """
+  leaves = jax.tree.leaves(tree)
+  if all(is_array(x) for x in leaves):
+    return leaves
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not is_array(x):
+      raise ValueError(
+        f"The {what} leaf at {keystr(path)} is a {type(x).__name__} ({x!r}), "
+        "not an array: loss scaling can neither unscale nor check it. Make it "
+        "an array (jnp.asarray), or leave it out of the tree (None)."
+      )
+  raise AssertionError("unreachable")
+
+
+def find_all(tree: Any, predicate: Callable[[Any], bool]) -> list[tuple[Any, Any]]:
+  """Every node of ``tree`` for which ``predicate``, at any depth.
+
+  Matching nodes are searched too, so a node nested inside another matching
+  node is found as well.
+
+  Returns:
+    ``(key path, node)`` pairs, depth-first.
+  """
+  found: list[tuple[Any, Any]] = []
+
+  def visit(node, prefix):
+    is_match = lambda x: x is not node and predicate(x)  # noqa: E731
+    for path, x in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_match)[0]:
+      if is_match(x):
+        found.append((prefix + path, x))
+        visit(x, prefix + path)
+
+  if predicate(tree):
+    found.append(((), tree))
+  visit(tree, ())
+  return found
+
+
+def find_unique(tree: Any, predicate: Callable[[Any], bool], what: str) -> Any:
+  """The one node of ``tree`` (at any depth) for which ``predicate``.
+
+  Args:
+    tree: any pytree (an optax state, nested ``chain``/``MultiSteps``/...).
+    predicate: says whether a node is the one looked for.
+    what: a description of the node, for the error messages.
+
+  Raises:
+    ValueError: there is no such node, or more than one (with their paths),
+      one inside the other included.
+  """
+  found = find_all(tree, predicate)
+  if not found:
+    raise ValueError(
+      f"No {what} in this optimizer state (of type {type(tree).__name__})."
+    )
+  if len(found) > 1:
+    paths = ", ".join(keystr(p) for p, _ in found)
+    raise ValueError(
+      f"Found {len(found)} {what}s in this optimizer state (at {paths}); "
+      "expected exactly one."
+    )
+  return found[0][1]
+
+
+def is_variable(x: Any) -> bool:
+  """An ``nnx.Variable`` (anything but an array with a ``get_value`` method)."""
+  return not is_array(x) and callable(getattr(x, "get_value", None))
+
+
+def unwrap(x: Any) -> Any:
+  """``x``, or the array an ``nnx`` variable holds."""
+  return x.get_value() if is_variable(x) else x
+
+
+def unwrap_variables(tree: Any) -> Any:
+  """``tree`` with ``nnx`` variables replaced by the arrays they hold."""
+  return jax.tree.map(unwrap, tree, is_leaf=is_variable)
