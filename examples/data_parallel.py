@@ -17,35 +17,60 @@ import argparse
 import os
 import sys
 
+import _cli
 
-def parse(argv):
+
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  parser.add_argument("--steps", type=int, default=60, help="training steps")
+  count = _cli.int_at_least(1)
+  parser.add_argument("--steps", type=count, default=60, help="training steps")
   parser.add_argument(
-    "--batch", type=int, default=128, help="global batch (a multiple of --devices)"
+    "--batch", type=count, default=128, help="global batch (a multiple of --devices)"
   )
   parser.add_argument(
-    "--devices", type=int, default=8, help="simulated CPU devices in the mesh"
+    "--devices", type=count, default=8, help="simulated CPU devices in the mesh"
   )
   parser.add_argument(
-    "--nan-at", default="10,11,40", help="steps whose batch gets a NaN (comma list)"
+    "--nan-at",
+    type=_cli.steps_list,
+    default="10,11,40",
+    help="steps whose batch gets a NaN (comma list, each below --steps)",
   )
   parser.add_argument(
-    "--bad-device", type=int, default=3, help="the device whose shard gets the NaN"
+    "--bad-device",
+    type=_cli.int_at_least(0),
+    default=3,
+    help="the device whose shard gets the NaN (below --devices)",
   )
   parser.add_argument(
     "--growth-interval",
-    type=int,
+    type=count,
     default=8,
     help="finite steps in a row before the loss scale doubles",
   )
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  _cli.require(
+    parser,
+    args.batch % args.devices == 0,
+    f"--batch ({args.batch}) must be a multiple of --devices ({args.devices})",
+  )
+  _cli.require(
+    parser,
+    args.bad_device < args.devices,
+    f"--bad-device ({args.bad_device}) must be below --devices ({args.devices})",
+  )
+  _cli.require(
+    parser,
+    all(s < args.steps for s in args.nan_at),
+    f"--nan-at steps {args.nan_at} must be below --steps ({args.steps})",
+  )
+  return args
 
 
-args = parse(sys.argv[1:]) if __name__ == "__main__" else None
+args = parse_args(sys.argv[1:]) if __name__ == "__main__" else None
 # Simulated CPU devices must be requested before JAX starts.
 if args is not None and "--xla_force_host_platform_device_count" not in os.environ.get(
   "XLA_FLAGS", ""
@@ -70,9 +95,7 @@ def main(args):
   n = args.devices
   if jax.device_count() < n:
     raise SystemExit(f"need {n} devices, have {jax.device_count()}")
-  if args.batch % n:
-    raise SystemExit(f"--batch must be a multiple of --devices ({n})")
-  nan_at = {int(s) for s in args.nan_at.split(",") if s}
+  nan_at = set(args.nan_at)
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   replicated = NamedSharding(mesh, P())
   sharded = NamedSharding(mesh, P("data"))

@@ -11,8 +11,7 @@ Run:  python examples/flax_linen.py [--steps N]
 
 from __future__ import annotations
 
-import argparse
-
+import _cli
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,18 +21,15 @@ import optax_lossscale as ols
 from optax_lossscale.flax import LossScaleTrainState
 
 
+def parse_args(argv=None):
+  doc = __doc__.splitlines()[0]
+  seed = "data split and init seed"
+  parser = _cli.parser(doc, steps=600, batch=128, log_every=100, seed=seed)
+  return parser.parse_args(argv)
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  parser.add_argument("--steps", type=int, default=600, help="training steps")
-  parser.add_argument("--batch", type=int, default=128, help="batch size")
-  parser.add_argument(
-    "--log-every", type=int, default=100, help="print a line every this many steps"
-  )
-  parser.add_argument("--seed", type=int, default=0, help="data split and init seed")
-  args = parser.parse_args(argv)
+  args = parse_args(argv)
 
   x_train, x_test, y_train, y_test = load_data(args.seed)
   model = MLP(dtype=jnp.float16)

@@ -13,9 +13,9 @@ Run:  python examples/mixed_precision.py [--steps N]
 
 from __future__ import annotations
 
-import argparse
 import math
 
+import _cli
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,14 +70,13 @@ def train(loss_fn, tx, params, data, steps, batch):
   return params, opt_state
 
 
+def parse_args(argv=None):
+  parser = _cli.parser(__doc__.splitlines()[0], steps=1000, batch=128)
+  return parser.parse_args(argv)
+
+
 def main(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-  )
-  parser.add_argument("--steps", type=int, default=1000, help="training steps per run")
-  parser.add_argument("--batch", type=int, default=128, help="batch size")
-  args = parser.parse_args(argv)
+  args = parse_args(argv)
 
   data = load_data(0)
   x_train, x_test, y_train, y_test = data

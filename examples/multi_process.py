@@ -43,8 +43,10 @@ import socket
 import subprocess
 import sys
 
+import _cli
 
-def parse(argv):
+
+def parse_args(argv=None):
   p = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -59,38 +61,84 @@ def parse(argv):
   role.add_argument(
     "--compare", action="store_true", help="compare the runs written to --out"
   )
-  p.add_argument("--processes", type=int, default=2, help="number of processes")
+  count = _cli.int_at_least(1)
+  p.add_argument("--processes", type=count, default=2, help="number of processes")
   p.add_argument(
-    "--local-devices", type=int, default=2, help="CPU devices in each process"
+    "--local-devices", type=count, default=2, help="CPU devices in each process"
   )
   p.add_argument("--coordinator", default="127.0.0.1", help="process 0's address")
   p.add_argument(
-    "--port", type=int, default=0, help="coordinator port (0: pick a free one)"
+    "--port",
+    type=_cli.int_at_least(0),
+    default=0,
+    help="coordinator port (0: pick a free one)",
   )
-  p.add_argument("--steps", type=int, default=30, help="training steps")
+  p.add_argument("--steps", type=count, default=30, help="training steps")
   p.add_argument(
-    "--batch", type=int, default=64, help="global batch (a multiple of all devices)"
-  )
-  p.add_argument(
-    "--nan-at", default="4,5,17", help="steps whose batch gets a NaN (comma list)"
-  )
-  p.add_argument(
-    "--bad-process", type=int, default=1, help="the process whose shard gets it"
-  )
-  p.add_argument(
-    "--growth-interval", type=int, default=4, help="finite steps before growth"
+    "--batch",
+    type=count,
+    default=64,
+    help="global batch (a multiple of all devices: processes x local devices)",
   )
   p.add_argument(
-    "--save-at", type=int, default=20, help="step after which to checkpoint"
+    "--nan-at",
+    type=_cli.steps_list,
+    default="4,5,17",
+    help="steps whose batch gets a NaN (comma list, each below --steps)",
   )
   p.add_argument(
-    "--out", default="out/multi_process", help="directory for results and checkpoint"
+    "--bad-process",
+    type=_cli.int_at_least(0),
+    default=1,
+    help="the process whose shard gets it (below --processes)",
   )
-  p.add_argument("--timeout", type=int, default=300, help="seconds per process")
-  return p.parse_args(argv)
+  p.add_argument(
+    "--growth-interval", type=count, default=4, help="finite steps before growth"
+  )
+  p.add_argument(
+    "--save-at",
+    type=count,
+    default=20,
+    help="step after which to checkpoint (at most --steps)",
+  )
+  p.add_argument(
+    "--out",
+    type=_cli.directory,
+    default=_cli.default_out("multi_process"),
+    help="directory for results and checkpoint (shared by all processes)",
+  )
+  p.add_argument("--timeout", type=count, default=300, help="seconds per process")
+  args = p.parse_args(argv)
+  for ok, message in (
+    (
+      args.worker is None or 0 <= args.worker < args.processes,
+      f"--worker ({args.worker}) must be in [0, --processes = {args.processes})",
+    ),
+    (
+      args.bad_process < args.processes,
+      f"--bad-process ({args.bad_process}) must be below --processes "
+      f"({args.processes})",
+    ),
+    (
+      args.batch % (args.processes * args.local_devices) == 0,
+      f"--batch ({args.batch}) must be a multiple of all devices "
+      f"({args.processes} processes x {args.local_devices} = "
+      f"{args.processes * args.local_devices})",
+    ),
+    (
+      all(s < args.steps for s in args.nan_at),
+      f"--nan-at steps {args.nan_at} must be below --steps ({args.steps})",
+    ),
+    (
+      args.save_at <= args.steps,
+      f"--save-at ({args.save_at}) must be at most --steps ({args.steps})",
+    ),
+  ):
+    _cli.require(p, ok, message)
+  return args
 
 
-args = parse(sys.argv[1:]) if __name__ == "__main__" else None
+args = parse_args(sys.argv[1:]) if __name__ == "__main__" else None
 if args is not None and args.worker is not None:
   # Each worker's simulated CPU devices, requested before JAX starts.
   os.environ["XLA_FLAGS"] = (
@@ -127,7 +175,7 @@ def train(args, process, processes):
     raise SystemExit(f"--batch must be a multiple of the {n} devices")
   mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   replicated, sharded = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  nan_at = {int(s) for s in args.nan_at.split(",") if s}
+  nan_at = set(args.nan_at)
 
   x_train, _, y_train, _ = load_data(0)
   model = MLP(dtype=jnp.float32)
@@ -212,7 +260,7 @@ def reference(args):
 
   out, fresh = train(args, 0, 1)
   # The workers' checkpoint, restored in this one process.
-  path = os.path.join(os.path.abspath(args.out), "ckpt")
+  path = os.path.join(args.out, "ckpt")
   if os.path.exists(path):
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh)
     restored = ocp.StandardCheckpointer().restore(path, target)
@@ -227,7 +275,7 @@ def compare(args):
     np.load(os.path.join(args.out, f"process{i}.npz")) for i in range(args.processes)
   ]
   ref = np.load(os.path.join(args.out, "reference.npz"))
-  nan_at = sorted(int(s) for s in args.nan_at.split(",") if s)
+  nan_at = sorted(args.nan_at)
   hist = lambda run, k: run[f"history/{k}"]  # noqa: E731
   skipped = np.diff(hist(ref, "skipped_steps"), prepend=0) > 0
   print("scale: the loss scale the step's gradients were computed with (the same")
@@ -289,7 +337,8 @@ def launch(args):
       port = s.getsockname()[1]
   common = [
     "--processes", args.processes, "--local-devices", args.local_devices,
-    "--steps", args.steps, "--batch", args.batch, "--nan-at", args.nan_at,
+    "--steps", args.steps, "--batch", args.batch,
+    "--nan-at", ",".join(map(str, args.nan_at)),
     "--bad-process", args.bad_process, "--growth-interval", args.growth_interval,
     "--save-at", args.save_at, "--out", args.out,
   ]  # fmt: skip

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 
+import _cli
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,38 +54,73 @@ def flat(tree):
   return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
 
 
-def parse(argv):
+def parse_args(argv=None):
   parser = argparse.ArgumentParser(
     description=__doc__.splitlines()[0],
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  parser.add_argument("--steps", type=int, default=60, help="train up to this step")
   parser.add_argument(
-    "--save-at", type=int, default=None, help="save a checkpoint before this step"
+    "--steps", type=_cli.int_at_least(1), default=60, help="train up to this step"
   )
   parser.add_argument(
-    "--ckpt", default=None, help="directory for checkpoints (one per saved step)"
+    "--save-at",
+    type=_cli.int_at_least(0),
+    default=None,
+    help="save a checkpoint before this step (below --steps; needs --ckpt)",
+  )
+  parser.add_argument(
+    "--ckpt",
+    type=_cli.directory,
+    default=None,
+    help="directory for checkpoints (one per saved step)",
   )
   parser.add_argument(
     "--overwrite", action="store_true", help="replace a checkpoint that exists"
   )
   parser.add_argument(
-    "--resume", default=None, help="checkpoint to restore (CKPT/STEP) and go on from"
+    "--resume",
+    type=_cli.directory,
+    default=None,
+    help="checkpoint to restore (CKPT/STEP, STEP below --steps) and go on from",
   )
   parser.add_argument(
     "--final", default=None, help=".npz file for the final state (every leaf)"
   )
   parser.add_argument(
-    "--nan-at", default="10,31,32", help="steps whose batch gets a NaN (comma list)"
+    "--nan-at",
+    type=_cli.steps_list,
+    default="10,31,32",
+    help="steps whose batch gets a NaN (comma list)",
   )
-  parser.add_argument("--batch", type=int, default=64, help="batch size")
+  parser.add_argument(
+    "--batch", type=_cli.int_at_least(1), default=64, help="batch size"
+  )
   parser.add_argument(
     "--compare",
     action="store_true",
     help="run both halves (saving at --save-at, default steps/2) in new "
     "processes and say whether they end bit-identical",
   )
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  _cli.require(
+    parser,
+    args.save_at is None or args.save_at < args.steps,
+    f"--save-at ({args.save_at}) must be below --steps ({args.steps})",
+  )
+  _cli.require(
+    parser,
+    args.save_at is None or args.compare or args.ckpt is not None,
+    "--save-at needs --ckpt, the directory for checkpoints",
+  )
+  if args.resume is not None:
+    step = os.path.basename(os.path.normpath(args.resume))
+    _cli.require(
+      parser,
+      step.isdigit() and int(step) < args.steps and os.path.isdir(args.resume),
+      f"--resume ({args.resume}) must be an existing checkpoint directory "
+      f"CKPT/STEP, STEP below --steps ({args.steps})",
+    )
+  return args
 
 
 def compare(args):
@@ -95,7 +131,7 @@ def compare(args):
     "--steps",
     str(args.steps),
     "--nan-at",
-    args.nan_at,
+    ",".join(map(str, args.nan_at)),
     "--batch",
     str(args.batch),
   ]
@@ -125,15 +161,13 @@ def compare(args):
 
 
 def main(argv=None):
-  args = parse(argv)
+  args = parse_args(argv)
   if args.compare:
     raise SystemExit(0 if compare(args) else 1)
-  nan_at = {int(s) for s in args.nan_at.split(",") if s}
+  nan_at = set(args.nan_at)
   path = None
   if args.save_at is not None:
-    if args.ckpt is None:
-      raise SystemExit("--save-at needs --ckpt, the directory for checkpoints")
-    path = os.path.join(os.path.abspath(args.ckpt), str(args.save_at))
+    path = os.path.join(args.ckpt, str(args.save_at))
     if os.path.exists(path) and not args.overwrite:
       raise SystemExit(
         f"checkpoint {path} already exists: pass --overwrite to replace it, or "
@@ -152,7 +186,7 @@ def main(argv=None):
   if args.resume:
     # The fresh state is the target: it gives the tree structure and dtypes.
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    state = checkpointer.restore(os.path.abspath(args.resume), target)
+    state = checkpointer.restore(args.resume, target)
     start = int(os.path.basename(os.path.normpath(args.resume)))
     print(f"restored step {start}: scale {float(state.loss_scale):.0f}")
 

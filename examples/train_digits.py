@@ -14,10 +14,10 @@ Run:  python examples/train_digits.py [--steps N] [--out DIR]
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
+import _cli
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -162,27 +162,29 @@ def plot(results, path):
   plt.close(fig)
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+def parse_args(argv=None):
+  doc, seed = __doc__.splitlines()[0], "data split and init seed"
+  parser = _cli.parser(doc, steps=1000, batch=128, seed=seed)
+  parser.add_argument(
+    "--lr", type=_cli.positive_float, default=1e-3, help="Adam's learning rate"
   )
-  parser.add_argument("--steps", type=int, default=1000, help="training steps per run")
-  parser.add_argument("--batch", type=int, default=128, help="batch size")
-  parser.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
   parser.add_argument(
     "--growth-interval",
-    type=int,
+    type=_cli.int_at_least(1),
     default=50,
     help="finite steps in a row before the loss scale doubles",
   )
-  parser.add_argument("--seed", type=int, default=0, help="data split and init seed")
   parser.add_argument(
     "--out",
-    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+    type=_cli.directory,
+    default=_cli.default_out(),
     help="directory for the plot",
   )
-  args = parser.parse_args(argv)
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
 
   t0 = time.perf_counter()

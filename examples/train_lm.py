@@ -12,22 +12,35 @@ byte values, trained with ``optax.adam``; the loss is the softmax
 cross-entropy, computed in float32 from the logits and averaged over every
 token of the batch (``--batch`` x ``--context`` tokens).
 
-Why float16 loses gradients here: the gradient of a mean over N tokens with
-respect to one logit is (p - y) / N. With N in the thousands and most of the
-256 byte probabilities p small, many of these entries, and the activation
-gradients computed from them, fall below float16's smallest positive value
-(2**-24, about 6e-8) and become 0. Loss scaling multiplies the loss by S
-before differentiating, so they stay representable, and divides the
-gradients by S (in float32) before Adam sees them.
+Each step is trained as trainers that accumulate gradients train it (the
+Hugging Face Trainer, Megatron-LM, nanoGPT, whose default is 40
+accumulation steps): the step is ``--accumulation`` K micro-batches, each
+micro-batch's loss is divided by K before its backward pass, and the K
+gradients are summed. To fit a CPU's minutes, the K micro-batches of a step
+are one batch, so the sum is K times the one gradient computed (a float32
+multiplication, ``optax.scale(K)``, after any unscaling and before Adam):
+the backward pass sees exactly a trainer's micro-batch, and Adam the
+step's gradient. ``--accumulation 1`` trains on the plain mean.
 
-The script prints a table (validation loss and bits per byte, gap to float32,
-skipped steps, final scale, fraction of gradient entries that underflowed)
-and writes a PNG with three panels: the loss over the steps; the fraction of
-gradient entries that underflowed, per layer for the float16 run; and the
-loss scale, skipped steps marked. The loss-scaled run keeps a record of
-where its gradients were not finite (``track_nonfinite=True``); when it
-skipped steps, the script prints ``ols.nonfinite_report``: which layers'
-gradients overflowed, and whether the loss itself was finite.
+Why float16 loses gradients here: the gradient of the micro-batch's loss
+with respect to one logit is (p - y) / (N K) for N tokens. With N K in the
+tens of thousands and most of the 256 byte probabilities p small, most of
+these entries, and the activation gradients computed from them, fall below
+float16's smallest positive value (2**-24, about 6e-8) and become 0 (the
+mean over a global batch under sharded ``jit`` has the same effect: each
+device's logit gradients are (p - y) / N_global). Loss scaling multiplies
+the loss by S before differentiating, so they stay representable, and
+divides the gradients by S (in float32) before Adam sees them.
+
+The script prints a table (training and validation loss, bits per byte, gap
+to float32, skipped steps, final scale, fraction of gradient entries that
+underflowed), writes it to ``lm_loss_scale.txt`` and writes a PNG with three
+panels: the loss over the steps; the fraction of gradient entries that
+underflowed, per layer for the float16 run; and the loss scale, skipped
+steps marked. The loss-scaled run keeps a record of where its gradients
+were not finite (``track_nonfinite=True``); when it skipped steps, the
+script prints ``ols.nonfinite_report``: which layers' gradients overflowed,
+and whether the loss itself was finite.
 
 Run:  python examples/train_lm.py [--steps N] [--out DIR]   (see --help)
 """
@@ -40,9 +53,11 @@ import glob
 import math
 import os
 import re
+import sys
 import sysconfig
 import time
 
+import _cli
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -178,7 +193,7 @@ def loss_fn(model, params, tokens):
 
 
 def loss_and_logit_underflow(model, params, tokens, scale):
-  """The loss, and the fraction of its logit gradients that are 0 in float16.
+  """The loss, and the share of its logit gradients (times ``scale``) lost in float16.
 
   The gradient of ``loss * scale`` with respect to the float32 logits is
   ``scale * (softmax(logits) - one_hot(target)) / N`` (N tokens); the float16
@@ -227,27 +242,38 @@ def make_underflow(groups):
   return underflow
 
 
-def make_step(model, tx, scaled):
+def make_step(model, tx, scaled, accumulation):
+  """One optimizer step: the gradients of one micro-batch of an accumulation.
+
+  A trainer that accumulates K micro-batches divides each micro-batch's loss
+  by K before its backward pass and sums the K gradients. Here the K
+  micro-batches of a step are one batch, so the sum is K times the one
+  gradient computed: ``tx`` multiplies by K (in float32, after any unscaling)
+  before Adam. The backward pass sees exactly a trainer's micro-batch.
+  """
+  k = accumulation
+
   @jax.jit
   def step(params, opt_state, tokens):
-    if scaled:
-      # Gradients of loss * scale, with the scale this step starts with.
-      scale = ols.get_scale(opt_state)
-      f = lambda p: loss_and_logit_underflow(model, p, tokens, scale)
-      (loss, logit_lost), grads = ols.value_and_grad(f, has_aux=True)(opt_state, params)
-      grads_applied = ols.unscale(grads, scale)  # what Adam sees, if finite
-    else:
-      scale = jnp.float32(1.0)
-      f = lambda p: loss_and_logit_underflow(model, p, tokens, scale)
-      (loss, logit_lost), grads = jax.value_and_grad(f, has_aux=True)(params)
-      grads_applied = grads
-    if scaled:  # the loss too, so that the record tells it from the gradients
+    scale = ols.get_scale(opt_state) if scaled else jnp.float32(1.0)
+
+    def micro(p):  # the micro-batch's loss / K; the loss itself as aux
+      loss, logit_lost = loss_and_logit_underflow(model, p, tokens, scale / k)
+      return loss / k, (loss, logit_lost)
+
+    if scaled:  # gradients of (loss / K) * scale, the scale this step starts with
+      (_, (loss, logit_lost)), grads = ols.value_and_grad(micro, has_aux=True)(
+        opt_state, params
+      )
+      grads_applied = ols.unscale(grads, scale)  # what reaches Adam (/ K), if finite
+      # The loss too, so that the non-finite record tells it from the gradients.
       updates, opt_state = tx.update(grads, opt_state, params, value=loss)
+      skipped = ols.diagnostics(opt_state)["last_step_skipped"]
     else:
+      (_, (loss, logit_lost)), grads = jax.value_and_grad(micro, has_aux=True)(params)
+      grads_applied = grads
       updates, opt_state = tx.update(grads, opt_state, params)
-    skipped = (
-      ols.diagnostics(opt_state)["last_step_skipped"] if scaled else jnp.array(False)
-    )
+      skipped = jnp.array(False)
     params = optax.apply_updates(params, updates)
     return params, opt_state, loss, scale, skipped, logit_lost, grads_applied
 
@@ -259,7 +285,7 @@ def run(name, dtype, tx, cfg, batches, groups, shared, progress):
   params = model.init(jax.random.key(cfg.seed), batches[0][:, :-1])["params"]
   opt_state = tx.init(params)
   scaled = name.endswith("loss scale")
-  step = make_step(model, tx, scaled)
+  step = make_step(model, tx, scaled, cfg.accumulation)
   hist = {"loss": [], "scale": [], "skipped": [], "logit_lost": []}
   lost_steps, lost = [], []
   val_steps, val = [], []
@@ -399,73 +425,167 @@ def plot(results, groups, cfg, path):
 
 def parser(description: str, *, steps: int, batch: int) -> argparse.ArgumentParser:
   """The options of the language-model examples: model, text, seed, output."""
-  default_out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
   p = argparse.ArgumentParser(
     description=description,
     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
   )
-  p.add_argument("--steps", type=int, default=steps, help="training steps per run")
-  p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-  p.add_argument("--width", type=int, default=128, help="model width (embedding size)")
-  p.add_argument("--heads", type=int, default=4, help="attention heads per block")
-  p.add_argument("--context", type=int, default=128, help="bytes per sequence")
+  count = _cli.int_at_least(1)
+  p.add_argument("--steps", type=count, default=steps, help="training steps per run")
+  p.add_argument("--layers", type=count, default=2, help="transformer blocks")
+  p.add_argument(
+    "--width",
+    type=count,
+    default=128,
+    help="model width (embedding size), a multiple of --heads",
+  )
+  p.add_argument("--heads", type=count, default=4, help="attention heads per block")
+  p.add_argument("--context", type=count, default=128, help="bytes per sequence")
   p.add_argument(
     "--batch",
-    type=int,
+    type=count,
     default=batch,
     help="sequences per batch; the loss is the mean over batch x context tokens",
   )
-  p.add_argument("--lr", type=float, default=1e-3, help="Adam's learning rate")
+  p.add_argument(
+    "--lr", type=_cli.positive_float, default=1e-3, help="Adam's learning rate"
+  )
   p.add_argument(
     "--eval-sequences",
-    type=int,
+    type=count,
     default=64,
     help="held-out sequences of --context bytes for validation",
   )
   p.add_argument(
     "--val-fraction",
-    type=float,
+    type=_cli.fraction,
     default=0.1,
     help="fraction of the text (its end) held out for validation",
   )
   p.add_argument(
     "--seed",
-    type=int,
+    type=_cli.int_at_least(0),
     default=0,
     help="initialisation and batch order (same for all runs)",
   )
-  p.add_argument("--out", default=default_out, help="directory for the PNG plot")
+  p.add_argument(
+    "--out",
+    type=_cli.directory,
+    default=_cli.default_out(),
+    help="directory for the plot",
+  )
   return p
+
+
+def check(p: argparse.ArgumentParser, cfg: argparse.Namespace) -> argparse.Namespace:
+  """``cfg``, once the options that depend on each other agree (else exit 2)."""
+  _cli.require(
+    p,
+    cfg.width % cfg.heads == 0,
+    f"--width ({cfg.width}) must be a multiple of --heads ({cfg.heads}): each "
+    "head gets width / heads features",
+  )
+  return cfg
 
 
 def parse_args(argv=None):
   p = parser(__doc__.splitlines()[0], steps=300, batch=24)
   p.add_argument(
     "--vocab",
-    type=int,
+    type=_cli.int_at_least(256),
     default=256,
-    help="vocabulary size: 256 byte tokens plus the VOCAB-256 most frequent "
-    "words and whitespace runs of the training text (256: bytes only)",
+    help="vocabulary size, at least 256: 256 byte tokens plus the VOCAB-256 most "
+    "frequent words and whitespace runs of the training text (256: bytes only)",
   )
   p.add_argument(
-    "--initial-scale", type=float, default=2.0**15, help="loss scale at step 1"
+    "--accumulation",
+    type=_cli.int_at_least(1),
+    default=40,
+    help="micro-batches per optimizer step, as a trainer accumulates them: each "
+    "micro-batch's loss is divided by this before its backward pass and the "
+    "gradients are summed (the step's micro-batches are one batch, so the sum "
+    "is this times one micro-batch's gradient); 1: no accumulation",
+  )
+  p.add_argument(
+    "--initial-scale",
+    type=_cli.positive_float,
+    default=2.0**15,
+    help="loss scale at step 1 (a power of two up to 2**24)",
   )
   p.add_argument(
     "--growth-interval",
-    type=int,
+    type=_cli.int_at_least(1),
     default=100,
     help="steps without overflow after which the loss scale doubles",
   )
   p.add_argument(
     "--measure-every",
-    type=int,
+    type=_cli.int_at_least(1),
     default=20,
     help="measure the underflow every this many steps (costs a float32 backward pass)",
   )
   p.add_argument(
-    "--eval-every", type=int, default=50, help="validation loss every this many steps"
+    "--eval-every",
+    type=_cli.int_at_least(1),
+    default=50,
+    help="validation loss every this many steps",
   )
-  return p.parse_args(argv)
+  cfg = check(p, p.parse_args(argv))
+  _cli.require(
+    p,
+    1.0 <= cfg.initial_scale <= 2.0**24,
+    f"--initial-scale ({cfg.initial_scale:g}) must lie in [1, 2**24], the loss "
+    "scale's default bounds",
+  )
+  return cfg
+
+
+def table(results, groups, cfg, tokens_per_byte):
+  """The run's results as lines of text: the table, what it means, per layer."""
+  ref = results[0]["val"]
+  header = (
+    f"{'run':<22}{'train loss':>11}{'val loss':>9}{'bits/byte':>10}{'gap':>8}"
+    f"{'skipped':>8}{'scale':>8}{'underflow':>10}{'logit grads':>12}"
+  )
+  lines = [header, "-" * len(header)]
+  for r in results:
+    scale = "-" if r["scale"] is None else f"{r['scale']:.0f}"
+    lost = "-" if r["lost"] is None else f"{r['lost']:.2%}"
+    logit = "-" if r["logit_lost"] is None else f"{r['logit_lost']:.2%}"
+    lines.append(
+      f"{r['name']:<22}{r['train']:>11.4f}{r['val']:>9.4f}"
+      f"{r['val'] * tokens_per_byte / math.log(2):>10.3f}"
+      f"{r['val'] - ref:>+8.4f}{r['skipped']:>8d}{scale:>8}{lost:>10}{logit:>12}"
+    )
+  lines += [
+    "",
+    f"Each step is one micro-batch of a {cfg.accumulation}-step gradient "
+    f"accumulation ({cfg.batch} x {cfg.context} tokens; its loss divided by "
+    f"{cfg.accumulation} before the backward pass; the sum of the step's "
+    f"{cfg.accumulation} equal micro-batch gradients to Adam). train loss: the "
+    f"mean cross-entropy (nats per byte) of the last {cfg.eval_every} steps' "
+    "batches, as the loss function returns it (not divided); val loss: the same "
+    f"on {cfg.eval_sequences} held-out sequences, computed in float32 after "
+    f"{cfg.steps} steps; gap: val loss minus float32's. logit grads: fraction of "
+    "the output logits' gradient entries (those of the micro-batch's loss, times "
+    "the scale) that are 0 in float16 where they are not in float32; underflow: "
+    "fraction of all parameters' gradient entries that are 0 where float32's, "
+    "at the same parameters and batch, are not (every "
+    f"{cfg.measure_every} steps, steps that were not skipped). scale: the loss "
+    "scale after the last step.",
+  ]
+  for r in results[1:]:
+    per_layer = ", ".join(
+      f"{g} {x:.2%}" for g, x in zip(groups, r["lost_per_layer"], strict=True)
+    )
+    lines.append(f"underflow per layer, {r['name']}: {per_layer}")
+  for r in results:
+    if r["report"] is not None and r["skipped"]:
+      lines += [
+        "",
+        f"where the gradients were not finite, {r['name']}:",
+        str(r["report"]),
+      ]
+  return lines
 
 
 def main(argv=None):
@@ -501,11 +621,15 @@ def main(argv=None):
   shared = dict(
     # Validation loss of the trained float32 parameters, computed in float32.
     val_loss=jax.jit(lambda p: loss_fn(ref_model, p, val_tokens)),
-    ref_grad=jax.jit(jax.grad(lambda p, t: loss_fn(ref_model, p, t))),
+    # float32's gradient of one micro-batch (loss / K), for the underflow.
+    ref_grad=jax.jit(
+      jax.grad(lambda p, t: loss_fn(ref_model, p, t) / cfg.accumulation)
+    ),
     underflow=make_underflow(groups),
   )
 
-  adam = lambda: optax.adam(cfg.lr)
+  # The sum of the step's K equal micro-batch gradients (K times one), then Adam.
+  adam = lambda: optax.chain(optax.scale(cfg.accumulation), optax.adam(cfg.lr))
   configs = [
     ("float32", jnp.float32, adam()),
     ("float16", jnp.float16, adam()),
@@ -526,41 +650,16 @@ def main(argv=None):
       progress.set_description(f"{name:>20}")
       results.append(run(name, dtype, tx, cfg, batches, groups, shared, progress))
 
-  ref = results[0]["val"]
-  header = (
-    f"{'run':<22}{'val loss':>9}{'bits/byte':>10}{'gap':>8}{'skipped':>9}"
-    f"{'scale':>8}{'underflow':>11}{'logit grads':>13}"
-  )
-  print("\n" + header + "\n" + "-" * len(header))
-  for r in results:
-    scale = "-" if r["scale"] is None else f"{r['scale']:.0f}"
-    lost = "-" if r["lost"] is None else f"{r['lost']:.2%}"
-    logit = "-" if r["logit_lost"] is None else f"{r['logit_lost']:.2%}"
-    print(
-      f"{r['name']:<22}{r['val']:>9.4f}"
-      f"{r['val'] * tokens_per_byte / math.log(2):>10.3f}"
-      f"{r['val'] - ref:>+8.4f}{r['skipped']:>9d}{scale:>8}{lost:>11}{logit:>13}"
-    )
-  print(
-    f"\nval loss: mean cross-entropy (nats per byte) on {cfg.eval_sequences} "
-    f"held-out sequences, computed in float32 after {cfg.steps} steps; gap: val "
-    "loss minus float32's. underflow: fraction of gradient entries that are 0 "
-    "where the float32 gradient at the same parameters and batch is not (every "
-    f"{cfg.measure_every} steps, steps that were not skipped). scale: the loss "
-    "scale after the last step; in the plot, the scale at step t is the one "
-    "step t's gradients were computed with (before that step's adjustment)."
-  )
-  for r in results[1:]:
-    per_layer = ", ".join(
-      f"{g} {x:.2%}" for g, x in zip(groups, r["lost_per_layer"], strict=True)
-    )
-    print(f"underflow per layer, {r['name']}: {per_layer}")
-  for r in results:
-    if r["report"] is not None and r["skipped"]:
-      print(f"\nwhere the gradients were not finite, {r['name']}:\n{r['report']}")
+  lines = table(results, groups, cfg, tokens_per_byte)
+  print("\n" + "\n".join(lines))
   path = os.path.join(cfg.out, "lm_loss_scale.png")
   plot(results, groups, cfg, path)
-  print(f"plot: {path}\ntotal time: {time.perf_counter() - t0:.1f} s")
+  took = f"total time: {time.perf_counter() - t0:.1f} s"
+  print(f"plot: {path}\n{took}")
+  # The run as text (the documentation shows these files).
+  command = " ".join(["python examples/train_lm.py", *(argv or sys.argv[1:])])
+  with open(os.path.join(cfg.out, "lm_loss_scale.txt"), "w") as f:
+    f.write("\n".join([f"$ {command}", *lines, took]) + "\n")
   return results
 
 

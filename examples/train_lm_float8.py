@@ -34,7 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from tqdm import tqdm
-from train_lm import Transformer, load_text, loss_fn, make_tokenizer, parser, sample
+from train_lm import (
+  Transformer,
+  check,
+  load_text,
+  loss_fn,
+  make_tokenizer,
+  parser,
+  sample,
+)
 
 import optax_lossscale as ols
 
@@ -128,7 +136,8 @@ def plot(results, cfg, path):
 
 
 def parse_args(argv=None):
-  return parser(__doc__.splitlines()[0], steps=150, batch=32).parse_args(argv)
+  p = parser(__doc__.splitlines()[0], steps=150, batch=32)
+  return check(p, p.parse_args(argv))
 
 
 def main(argv=None):

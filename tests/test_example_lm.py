@@ -8,7 +8,7 @@ import versions
 from test_examples import run_example
 
 ROW = re.compile(
-  r"^(float32|float16 \+ loss scale|float16)\s+"
+  r"^(float32|float16 \+ loss scale|float16)\s+([\d.]+)\s+"
   r"([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)$"
 )
 
@@ -30,8 +30,9 @@ def test_train_lm_example(tmp_path):
   for line in stdout.splitlines():
     m = ROW.match(line)
     if m:
-      val, bpb, gap, skipped, scale, lost, logit = m.groups()[1:]
+      train, val, bpb, gap, skipped, scale, lost, logit = m.groups()[1:]
       rows[m.group(1)] = dict(
+        train=float(train),
         val=float(val),
         bpb=float(bpb),
         gap=float(gap),
@@ -42,8 +43,10 @@ def test_train_lm_example(tmp_path):
       )
   assert set(rows) == {"float32", "float16", "float16 + loss scale"}, stdout
   for name, r in rows.items():
-    # Finite, and below the 5.55 nats of a uniform guess over 256 bytes.
-    assert math.isfinite(r["val"]) and 0 < r["val"] < math.log(256), (name, r)
+    # Finite, and below the 5.55 nats of a uniform guess over 256 bytes: the
+    # loss as the loss function returns it, not divided by --accumulation.
+    for loss in (r["train"], r["val"]):
+      assert math.isfinite(loss) and 1 < loss < math.log(256), (name, r)
   assert rows["float32"]["gap"] == 0.0
   # Only the loss-scaled run has a scale (and skips); float32 is the reference.
   assert rows["float32"]["scale"] == rows["float16"]["scale"] == "-"
@@ -55,7 +58,7 @@ def test_train_lm_example(tmp_path):
   assert f16["lost"] > 0, stdout
   assert scaled["lost"] < f16["lost"], stdout
   assert scaled["logit"] <= f16["logit"], stdout
-  assert "before that step's adjustment" in stdout
+  assert "micro-batch of a 40-step gradient accumulation" in stdout
   # The loss-scaled run's non-finite record is printed when it skipped steps.
   skipped = scaled["skipped"]
   printed = "where the gradients were not finite, float16 + loss scale:" in stdout
@@ -67,6 +70,11 @@ def test_train_lm_example(tmp_path):
     ), stdout
   png = tmp_path / "lm_loss_scale.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  # The run as text, for the documentation: the command and the same table.
+  text = (tmp_path / "lm_loss_scale.txt").read_text()
+  assert text.startswith("$ python examples/train_lm.py --steps 40 "), text
+  table = [line for line in stdout.splitlines() if ROW.match(line)]
+  assert table and all(line in text.splitlines() for line in table), text
 
 
 F8_ROW = re.compile(

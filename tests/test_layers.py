@@ -1,4 +1,4 @@
-"""The package's import graph: the porting package sits above a core that never imports it.
+"""The import graph: the porting package sits above a core that never imports it.
 
 Read from the sources (``import optax_lossscale`` itself imports every
 module, so only the source says which module needs which).
@@ -41,9 +41,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 GRAPH = {name: _imports(path) for name, path in MODULES.items()}
-CORE = sorted(
-  m for m in GRAPH if m != "optax_lossscale" and not m.startswith(PORTING)
-)
+CORE = sorted(m for m in GRAPH if m != "optax_lossscale" and not m.startswith(PORTING))
 
 
 def _reaches_porting(deps: set[str]) -> list[str]:

@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 import versions
-from test_examples import run_example
+from test_examples import ROOT, run_example
 
 
 @versions.examples
@@ -48,3 +48,17 @@ def test_processes_agree_with_each_other_and_with_one_process(
   assert "FAILED every process holds the reference's non-finite record" in (
     failed.value.stdout
   )
+
+
+@versions.examples
+@pytest.mark.slow
+def test_the_documented_command_works_from_another_directory():
+  # `python examples/multi_process.py --processes 2` with its default --out,
+  # started outside the repository (run_example's working directory): the
+  # checkpoint path Orbax gets is absolute whatever the working directory.
+  out = run_example(
+    "multi_process.py", "--processes", 2, "--steps", 6, "--nan-at", 2, "--save-at", 4
+  )
+  checks = re.findall(r"^(ok    |FAILED) (.*)$", out, re.M)
+  assert len(checks) == 6 and all(ok == "ok    " for ok, _ in checks), out
+  assert (ROOT / "examples" / "out" / "multi_process" / "ckpt").is_dir()
