@@ -55,6 +55,7 @@ import os
 import re
 import sys
 import sysconfig
+import textwrap
 import time
 
 import _cli
@@ -362,7 +363,7 @@ def plot(results, groups, cfg, path):
       lw=1,
       label=f"{r['name']}: validation ({r['val']:.3f} at the end)",
     )
-  ax1.set_ylabel("loss (nats per byte)")
+  ax1.set_ylabel("loss (nats per byte, not divided)")
   lo = min(
     min(r["hist"]["val"].min(), smooth(r["hist"]["loss"], 20).min()) for r in results
   )
@@ -387,6 +388,15 @@ def plot(results, groups, cfg, path):
       color=colors[r["name"]],
       lw=2.5,
       label=f"{r['name']}, all parameters",
+    )
+    steps = np.arange(1, len(h["logit_lost"]) + 1)
+    ax2.plot(
+      steps,
+      100 * smooth(h["logit_lost"], 20),
+      color=colors[r["name"]],
+      lw=1.5,
+      ls="--",
+      label=f"{r['name']}, logit gradients (20-step mean)",
     )
   ax2.set_ylabel("gradient entries lost (%)")
   ax2.set_title(
@@ -416,7 +426,8 @@ def plot(results, groups, cfg, path):
   ax3.legend(fontsize=8)
   fig.suptitle(
     f"Byte-level transformer on Python's standard library ({cfg.layers} layers, "
-    f"width {cfg.width}, {cfg.batch}x{cfg.context} tokens per batch)"
+    f"width {cfg.width})\n{cfg.batch}x{cfg.context} tokens per micro-batch, its "
+    f"loss / {cfg.accumulation} ({cfg.accumulation}-step gradient accumulation)"
   )
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -558,20 +569,23 @@ def table(results, groups, cfg, tokens_per_byte):
     )
   lines += [
     "",
-    f"Each step is one micro-batch of a {cfg.accumulation}-step gradient "
-    f"accumulation ({cfg.batch} x {cfg.context} tokens; its loss divided by "
-    f"{cfg.accumulation} before the backward pass; the sum of the step's "
-    f"{cfg.accumulation} equal micro-batch gradients to Adam). train loss: the "
-    f"mean cross-entropy (nats per byte) of the last {cfg.eval_every} steps' "
-    "batches, as the loss function returns it (not divided); val loss: the same "
-    f"on {cfg.eval_sequences} held-out sequences, computed in float32 after "
-    f"{cfg.steps} steps; gap: val loss minus float32's. logit grads: fraction of "
-    "the output logits' gradient entries (those of the micro-batch's loss, times "
-    "the scale) that are 0 in float16 where they are not in float32; underflow: "
-    "fraction of all parameters' gradient entries that are 0 where float32's, "
-    "at the same parameters and batch, are not (every "
-    f"{cfg.measure_every} steps, steps that were not skipped). scale: the loss "
-    "scale after the last step.",
+    *textwrap.wrap(
+      f"Each step is one micro-batch of a {cfg.accumulation}-step gradient "
+      f"accumulation ({cfg.batch} x {cfg.context} tokens; its loss divided by "
+      f"{cfg.accumulation} before the backward pass; the sum of the step's "
+      f"{cfg.accumulation} equal micro-batch gradients to Adam). train loss: the "
+      f"mean cross-entropy (nats per byte) of the last {cfg.eval_every} steps' "
+      "batches, as the loss function returns it (not divided); val loss: the same "
+      f"on {cfg.eval_sequences} held-out sequences, computed in float32 after "
+      f"{cfg.steps} steps; gap: val loss minus float32's. logit grads: fraction of "
+      "the output logits' gradient entries (those of the micro-batch's loss, times "
+      "the scale) that are 0 in float16 where they are not in float32; underflow: "
+      "fraction of all parameters' gradient entries that are 0 where float32's, "
+      "at the same parameters and batch, are not (every "
+      f"{cfg.measure_every} steps, steps that were not skipped). scale: the loss "
+      "scale after the last step.",
+      width=88,
+    ),
   ]
   for r in results[1:]:
     per_layer = ", ".join(

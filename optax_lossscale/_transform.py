@@ -217,7 +217,7 @@ def dynamic_loss_scale(
   """Dynamic loss scaling around any optax transformation.
 
   The scale doubles after ``growth_interval`` finite steps in a row and halves
-  on a non-finite step, which is skipped (the README's "exact rule"). With
+  on a non-finite step, which is skipped (the documentation's "exact rule"). With
   ``hysteresis=1`` this is exactly Keras 3 ``LossScaleOptimizer`` and
   ``torch.amp.GradScaler``; with ``hysteresis > 1``, Megatron-LM's
   ``DynamicGradScaler``. The scale is clamped to ``[min_scale, max_scale]``.

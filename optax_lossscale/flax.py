@@ -38,6 +38,13 @@ from flax.training import train_state
 
 from optax_lossscale import _grad, _overwrite, _state, _telemetry
 
+__all__ = [
+  "LossScaleTrainState",
+  "is_overwrite_variable",
+  "nnx_update",
+  "nnx_value_and_grad",
+]
+
 # Flax's msgpack and state-dict serialization of a state with the record.
 _telemetry.register_flax_serialization()
 

@@ -7,7 +7,7 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import jax  # noqa: E402
 
 # tests/multidevice needs 8 (simulated) devices, which must be requested
-# before JAX starts: it runs in its own process (see the README's command).
+# before JAX starts: it runs in its own process (see the test command in README.md).
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   collect_ignore = ["multidevice"]
 

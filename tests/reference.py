@@ -1,4 +1,4 @@
-"""A pure-Python model of the README's "exact rule", written from the text, in float32.
+"""A pure-Python model of the exact rule (docs/exact_rule.md), from its text.
 
 It shares no code with the library: the property tests drive both with the
 same finite/non-finite sequences and compare every counter after every step.

@@ -1,4 +1,4 @@
-"""Loss scaling composed with the rest of optax (README "Composing with optax")."""
+"""Loss scaling composed with the rest of optax (docs/guides/optax.md)."""
 
 import chex
 import jax

@@ -58,7 +58,7 @@ def test_train_lm_example(tmp_path):
   assert f16["lost"] > 0, stdout
   assert scaled["lost"] < f16["lost"], stdout
   assert scaled["logit"] <= f16["logit"], stdout
-  assert "micro-batch of a 40-step gradient accumulation" in stdout
+  assert "micro-batch of a 40-step gradient accumulation" in " ".join(stdout.split())
   # The loss-scaled run's non-finite record is printed when it skipped steps.
   skipped = scaled["skipped"]
   printed = "where the gradients were not finite, float16 + loss scale:" in stdout

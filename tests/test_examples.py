@@ -1,4 +1,4 @@
-"""The README's main example runs end to end and reports what it measured."""
+"""The examples run end to end, from an empty directory, and report results."""
 
 import re
 import subprocess

@@ -284,7 +284,7 @@ def test_pmap_with_axis_name():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_pmap_without_axis_name_lets_replicas_disagree():
-  """What the README says happens: each replica decides on its own gradients."""
+  """What the documentation says happens: each replica decides on its own gradients."""
   tx = make_tx(INNER())
   params = init_params()
 
