@@ -31,8 +31,7 @@ myst_heading_anchors = 3
 myst_enable_extensions = ["colon_fence", "dollarmath"]
 
 autodoc_member_order = "bysource"
-autodoc_typehints = "description"
-autodoc_typehints_format = "short"
+autodoc_typehints = "none"  # the docstrings say the types, in words
 autodoc_default_options = {"members": False, "undoc-members": False}
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False

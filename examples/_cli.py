@@ -21,21 +21,29 @@ def default_out(*parts: str) -> str:
   return os.path.join(HERE, "out", *parts)
 
 
-def int_at_least(minimum: int):
-  """An integer option that must be at least ``minimum``."""
+def int_in(minimum: int, maximum: int | None = None):
+  """An integer option in ``[minimum, maximum]`` (no maximum: ``None``)."""
+  expected = (
+    f"an integer >= {minimum}"
+    if maximum is None
+    else f"an integer in [{minimum}, {maximum}]"
+  )
 
   def parse(text: str) -> int:
     try:
       value = int(text)
     except ValueError:
-      raise argparse.ArgumentTypeError(
-        f"must be an integer >= {minimum}, got {text!r}"
-      ) from None
-    if value < minimum:
-      raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+      value = None
+    if value is None or value < minimum or (maximum is not None and value > maximum):
+      raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
     return value
 
   return parse
+
+
+def int_at_least(minimum: int):
+  """An integer option that must be at least ``minimum``."""
+  return int_in(minimum)
 
 
 def _number(text: str, ok, expected: str) -> float:
@@ -110,6 +118,12 @@ def parser(
   if seed is not None:
     p.add_argument("--seed", type=int_at_least(0), default=0, help=seed)
   return p
+
+
+def shown(path: str) -> str:
+  """``path`` as printed: relative to the working directory when inside it."""
+  relative = os.path.relpath(path)
+  return path if relative.startswith(os.pardir) else relative
 
 
 def require(parser: argparse.ArgumentParser, ok: bool, message: str) -> None:

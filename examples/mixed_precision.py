@@ -114,7 +114,7 @@ def main(argv=None):
   )
   print(
     f"enable_mixed_precision      test accuracy {accuracy(fast_apply, mp_params):.3f}"
-    f"  (skipped {int(d['skipped_steps'])} steps, final scale "
+    f"  (skipped steps: {int(d['skipped_steps'])}, final scale "
     f"{float(d['loss_scale']):.0f}, after the last step's adjustment)"
   )
   print(f"FLOPs in float16 (forward and backward of the loss): {half:.1%}")

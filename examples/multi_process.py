@@ -69,7 +69,7 @@ def parse_args(argv=None):
   p.add_argument("--coordinator", default="127.0.0.1", help="process 0's address")
   p.add_argument(
     "--port",
-    type=_cli.int_at_least(0),
+    type=_cli.int_in(0, 65535),
     default=0,
     help="coordinator port (0: pick a free one)",
   )
@@ -135,6 +135,19 @@ def parse_args(argv=None):
     ),
   ):
     _cli.require(p, ok, message)
+  try:
+    socket.getaddrinfo(args.coordinator, None)
+  except OSError as e:
+    p.error(f"--coordinator {args.coordinator!r} is not an address: {e}")
+  if args.compare:
+    needed = [f"process{i}.npz" for i in range(args.processes)] + ["reference.npz"]
+    missing = [n for n in needed if not os.path.isfile(os.path.join(args.out, n))]
+    _cli.require(
+      p,
+      not missing,
+      f"--compare needs the runs' results in --out ({args.out}), missing "
+      f"{', '.join(missing)}: run the workers and --reference there first",
+    )
   return args
 
 
@@ -240,6 +253,7 @@ def train(args, process, processes):
 
 
 def worker(args):
+  os.makedirs(args.out, exist_ok=True)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(
     coordinator_address=f"{args.coordinator}:{args.port}",
@@ -256,6 +270,7 @@ def worker(args):
 
 
 def reference(args):
+  os.makedirs(args.out, exist_ok=True)
   import orbax.checkpoint as ocp
 
   out, fresh = train(args, 0, 1)

@@ -109,6 +109,11 @@ def parse_args(argv=None):
   )
   _cli.require(
     parser,
+    all(s < args.steps for s in args.nan_at),
+    f"--nan-at steps {args.nan_at} must be below --steps ({args.steps})",
+  )
+  _cli.require(
+    parser,
     args.save_at is None or args.compare or args.ckpt is not None,
     "--save-at needs --ckpt, the directory for checkpoints",
   )

@@ -219,11 +219,12 @@ def main(argv=None):
     "\nloss: mean of the last 20 training steps; underflow: fraction of "
     "gradient entries that are 0 where the float32 gradient at the same "
     "parameters and batch is not (mean over steps with finite gradients);"
-    " non-finite: steps whose applied gradients were not finite."
+    " non-finite: steps whose gradients, unscaled, were not finite (the"
+    " loss-scaled run skipped them)."
   )
   path = os.path.join(args.out, "digits_loss_scale.png")
   plot(results, path)
-  print(f"plot: {path}\ntotal time: {time.perf_counter() - t0:.1f} s")
+  print(f"plot: {_cli.shown(path)}\ntotal time: {time.perf_counter() - t0:.1f} s")
   return results
 
 

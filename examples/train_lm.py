@@ -69,13 +69,21 @@ from tqdm import tqdm
 import optax_lossscale as ols
 
 
-def load_text(val_fraction: float):
-  """The standard library's top-level ``.py`` files, as bytes: (train, val)."""
+def _text_files():
   stdlib = sysconfig.get_paths()["stdlib"]
-  files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+  return sorted(glob.glob(os.path.join(stdlib, "*.py")))
+
+
+def _split(size: int, val_fraction: float) -> int:
+  return int(size * (1 - val_fraction))
+
+
+def load_text(val_fraction: float):
+  """The standard library's top-level ``.py`` files, as bytes: (train, val, files)."""
+  files = _text_files()
   data = b"".join(open(f, "rb").read() for f in files)
-  split = int(len(data) * (1 - val_fraction))
-  return data[:split], data[split:], len(files), stdlib
+  split = _split(len(data), val_fraction)
+  return data[:split], data[split:], len(files)
 
 
 PIECES = re.compile(rb"\w+|\s+|[^\w\s]")  # words, whitespace runs, symbols
@@ -482,7 +490,7 @@ def parser(description: str, *, steps: int, batch: int) -> argparse.ArgumentPars
     "--out",
     type=_cli.directory,
     default=_cli.default_out(),
-    help="directory for the plot",
+    help="directory for the plot (and train_lm.py's results file)",
   )
   return p
 
@@ -495,6 +503,16 @@ def check(p: argparse.ArgumentParser, cfg: argparse.Namespace) -> argparse.Names
     f"--width ({cfg.width}) must be a multiple of --heads ({cfg.heads}): each "
     "head gets width / heads features",
   )
+  size = sum(os.path.getsize(f) for f in _text_files())
+  split = _split(size, cfg.val_fraction)
+  for part, n in (("training", split), ("held-out", size - split)):
+    _cli.require(
+      p,
+      cfg.context + 1 < n,
+      f"--context ({cfg.context}) must be shorter than the {part} text "
+      f"({n:,} bytes with --val-fraction {cfg.val_fraction}): each sequence "
+      "is a window of context + 1 bytes",
+    )
   return cfg
 
 
@@ -502,10 +520,11 @@ def parse_args(argv=None):
   p = parser(__doc__.splitlines()[0], steps=300, batch=24)
   p.add_argument(
     "--vocab",
-    type=_cli.int_at_least(256),
+    type=_cli.int_in(256, 1 << 16),
     default=256,
-    help="vocabulary size, at least 256: 256 byte tokens plus the VOCAB-256 most "
-    "frequent words and whitespace runs of the training text (256: bytes only)",
+    help="vocabulary size, from 256 to 65536: 256 byte tokens plus the VOCAB-256 "
+    "most frequent words and whitespace runs of the training text (256: bytes "
+    "only)",
   )
   p.add_argument(
     "--accumulation",
@@ -606,12 +625,18 @@ def main(argv=None):
   cfg = parse_args(argv)
   os.makedirs(cfg.out, exist_ok=True)
   t0 = time.perf_counter()
-  train_text, val_text, n_files, stdlib = load_text(cfg.val_fraction)
+  train_text, val_text, n_files = load_text(cfg.val_fraction)
   encode = make_tokenizer(train_text, cfg.vocab)
   train, _ = encode(train_text)
   val, val_sizes = encode(val_text)
+  if min(len(train), len(val)) <= cfg.context + 1:  # words make fewer tokens
+    raise SystemExit(
+      f"train_lm.py: error: --context ({cfg.context}) must be shorter than the "
+      f"texts in tokens ({len(train):,} for training, {len(val):,} held out)"
+    )
   print(
-    f"text: {n_files} files from {stdlib}: {len(train_text):,} bytes "
+    f"text: the standard library's {n_files} top-level files: "
+    f"{len(train_text):,} bytes "
     f"({len(train):,} tokens) for training, {len(val_text):,} bytes held out"
   )
   batches, val_idx = sample(
@@ -669,7 +694,7 @@ def main(argv=None):
   path = os.path.join(cfg.out, "lm_loss_scale.png")
   plot(results, groups, cfg, path)
   took = f"total time: {time.perf_counter() - t0:.1f} s"
-  print(f"plot: {path}\n{took}")
+  print(f"plot: {_cli.shown(path)}\n{took}")
   # The run as text (the documentation shows these files).
   command = " ".join(["python examples/train_lm.py", *(argv or sys.argv[1:])])
   with open(os.path.join(cfg.out, "lm_loss_scale.txt"), "w") as f:

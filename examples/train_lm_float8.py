@@ -29,6 +29,7 @@ import math
 import os
 import time
 
+import _cli
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,11 +145,14 @@ def main(argv=None):
   cfg = parse_args(argv)
   os.makedirs(cfg.out, exist_ok=True)
   t0 = time.perf_counter()
-  train_text, val_text, n_files, stdlib = load_text(cfg.val_fraction)
+  train_text, val_text, n_files = load_text(cfg.val_fraction)
   encode = make_tokenizer(train_text, 256)
   train, _ = encode(train_text)
   val, _ = encode(val_text)
-  print(f"text: {n_files} files from {stdlib}, {len(train):,} bytes for training")
+  print(
+    f"text: the standard library's {n_files} top-level files, "
+    f"{len(train):,} bytes for training"
+  )
   batches, val_idx = sample(
     train,
     val,
@@ -190,7 +194,7 @@ def main(argv=None):
       print(f"\nwhere the gradients were not finite, {r['name']}:\n{r['report']}")
   path = os.path.join(cfg.out, "lm_float8.png")
   plot(results, cfg, path)
-  print(f"plot: {path}\ntotal time: {time.perf_counter() - t0:.1f} s")
+  print(f"plot: {_cli.shown(path)}\ntotal time: {time.perf_counter() - t0:.1f} s")
   return results
 
 

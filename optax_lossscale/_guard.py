@@ -83,8 +83,8 @@ def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
     >>> ols.check_checkpoint(state)
     Traceback (most recent call last):
     ...
-    ValueError: Refusing to save a state with non-finite values: ['mu']['w']:
-    1 NaN (of 2 entries). ...
+    ValueError: Refusing to save the state: non-finite values at ['mu']['w']: 1
+    NaN (of 2 entries). ...
   """
   leaves = _floating_leaves(tree)
   if bool(_all_finite([x for _, x in leaves])):
@@ -96,7 +96,7 @@ def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
       kinds = [f"{n} {k}" for n, k in ((nans, "NaN"), (infs, "inf")) if n]
       bad.append(f"{path}: {' and '.join(kinds)} (of {x.size} entries)")
   raise ValueError(
-    f"Refusing to save a {what} with non-finite values: {'; '.join(bad)}. "
+    f"Refusing to save the {what}: non-finite values at {'; '.join(bad)}. "
     "Resuming from it would carry them on; save an earlier state, or find "
     "the step that produced them (ols.diagnostics, check_skipped_steps)."
   )

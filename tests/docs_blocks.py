@@ -1,8 +1,10 @@
 """The code blocks of the documentation pages and the README, and how each is run.
 
 A page's ``python`` blocks run in order in one namespace, in a new process
-started in an empty directory, as a user pastes the page into Python:
-imports included, nothing set up by the tests. A page whose code needs
+started in an empty directory, as a user pastes the page into the
+interactive interpreter (line by line, as ``code.InteractiveConsole`` reads
+them: a blank line ends a statement, so a class or function has none
+inside): imports included, nothing set up by the tests. A page whose code needs
 something the process cannot make itself says so in the page, and names the
 environment in a MyST comment line (rendered nowhere) of the form::
 
@@ -49,7 +51,7 @@ ENV = re.compile(r"^% test-env: (.*)$", re.M)
 PRINT = re.compile(r"^(\s*)print\((.*)\)[ \t]+#[ \t](.*)$")
 
 _RUNNER = r"""
-import io, json, sys, traceback
+import code, io, json, sys
 
 def __expect__(where, expected, *args, **kwargs):
   out = io.StringIO()
@@ -59,35 +61,62 @@ def __expect__(where, expected, *args, **kwargs):
   if got != expected:
     raise AssertionError(f"{where}: printed {got!r}, the page says {expected!r}")
 
+class Console(code.InteractiveConsole):
+  failed = False
+
+  def showtraceback(self, *args, **kwargs):
+    self.failed = True
+    super().showtraceback(*args, **kwargs)
+
+  def showsyntaxerror(self, *args, **kwargs):
+    self.failed = True
+    super().showsyntaxerror(*args, **kwargs)
+
 page, blocks = sys.argv[1], json.load(open(sys.argv[2]))
-namespace = {"__name__": "__main__", "__expect__": __expect__}
+console = Console({"__name__": "__main__", "__expect__": __expect__}, filename=page)
 stdout = sys.stdout
-for line, code, output in blocks:
+for line, code_text, output in blocks:
   print(f"--- {page}:{line}", flush=True)
   sys.stdout = captured = io.StringIO()
-  try:
-    exec(compile("\n" * (line - 1) + code, page, "exec"), namespace)
-  except BaseException:
-    sys.stdout = stdout
-    print(captured.getvalue())
-    traceback.print_exc()
-    sys.exit(f"the block at {page}:{line} failed")
+  # Line by line, as the interactive interpreter reads a paste, then the
+  # empty line that ends an open statement.
+  more = False
+  for text in code_text.split("\n"):
+    more = console.push(text)
+    if console.failed:
+      break
+  if more and not console.failed:
+    console.push("")
   sys.stdout = stdout
   print(captured.getvalue(), end="", flush=True)
+  if console.failed:
+    sys.exit(f"the block at {page}:{line} failed (line {line} + {text!r})")
   if output is not None and output not in captured.getvalue():
     sys.exit(f"the block at {page}:{line} did not print the page's output:\n{output}")
 """
 
 
 def checked(page: str, line: int, code: str) -> str:
-  """``code`` with each ``print(...)  # expected`` made to compare its output."""
+  """``code`` with each ``print(...)  # expected`` made to compare its output.
+
+  Raises:
+    ValueError: a ``print`` over several lines ends in a comment: what it
+      prints cannot be checked (write it on one line).
+  """
   out = []
+  depth = 0  # open brackets of a print that spans lines
   for i, text in enumerate(code.split("\n")):
+    where = f"{page}:{line + i}"
     m = PRINT.match(text)
     if m:
       indent, args, expected = m.groups()
-      where = f"{page}:{line + i}"
       text = f"{indent}__expect__({where!r}, {expected.rstrip()!r}, {args})"
+    elif depth or text.lstrip().startswith("print("):
+      bare = text.split("#", 1)[0]
+      depth += bare.count("(") + bare.count("[") - bare.count(")") - bare.count("]")
+      if depth <= 0 and "#" in text:
+        raise ValueError(f"{where}: a print over several lines ends in a comment")
+      depth = max(depth, 0)
     out.append(text)
   return "\n".join(out)
 

@@ -20,7 +20,10 @@ pytestmark = versions.examples
 #: (example, its arguments, what the message must say).
 CASES = [
   ("train_lm", "--batch 0", "argument --batch: must be an integer >= 1"),
-  ("train_lm", "--vocab 100", "argument --vocab: must be an integer >= 256"),
+  ("train_lm", "--vocab 100", "argument --vocab: must be an integer in [256, 65536]"),
+  ("train_lm", "--vocab 100000000", "--vocab: must be an integer in [256, 65536]"),
+  ("train_lm", "--context 10000000", "--context (10000000) must be shorter than the"),
+  ("train_lm", "--val-fraction 0.00001", "shorter than the held-out text"),
   ("train_lm", "--steps 0", "argument --steps: must be an integer >= 1"),
   ("train_lm", "--steps -1", "argument --steps: must be an integer >= 1"),
   ("train_lm", "--steps ten", "argument --steps: must be an integer"),
@@ -51,10 +54,14 @@ CASES = [
   ("multi_process", "--batch 30", "--batch (30) must be a multiple of all devices"),
   ("multi_process", "--save-at 31", "--save-at (31) must be at most --steps (30)"),
   ("multi_process", "--processes 0", "--processes: must be an integer >= 1"),
+  ("multi_process", "--port 70000", "--port: must be an integer in [0, 65535]"),
+  ("multi_process", "--coordinator no.such.host.invalid", "is not an address"),
+  ("multi_process", "--compare --out /no/such/dir", "--compare needs the runs'"),
   ("orbax_resume", "--save-at 60", "--save-at (60) must be below --steps (60)"),
   ("orbax_resume", "--save-at 5", "--save-at needs --ckpt"),
   ("orbax_resume", "--resume /no/ckpt/abc", "an existing checkpoint directory"),
   ("orbax_resume", "--batch 0", "argument --batch: must be an integer >= 1"),
+  ("orbax_resume", "--nan-at 100", "--nan-at steps [100] must be below --steps (60)"),
 ]  # fmt: skip
 
 

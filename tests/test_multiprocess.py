@@ -62,3 +62,14 @@ def test_the_documented_command_works_from_another_directory():
   checks = re.findall(r"^(ok    |FAILED) (.*)$", out, re.M)
   assert len(checks) == 6 and all(ok == "ok    " for ok, _ in checks), out
   assert (ROOT / "examples" / "out" / "multi_process" / "ckpt").is_dir()
+
+
+@versions.examples
+@pytest.mark.slow
+def test_the_reference_makes_its_output_directory(tmp_path):
+  out = tmp_path / "new" / "dir"
+  run_example(
+    "multi_process.py", "--reference", "--steps", 3, "--save-at", 2, "--nan-at", "",
+    "--out", out,
+  )  # fmt: skip
+  assert (out / "reference.npz").is_file()
