@@ -13,7 +13,12 @@ floating inputs are cast according to four public lists (TF's names):
 * clear: data movement passes its input's dtype through.
 
 A primitive in no list runs in float32 (TF treats unlisted ops the same way).
-The lists live in ``_autocast_lists``.
+The lists live in ``_autocast_lists``. A matmul whose result is only ever
+read in float32 (its consumers, through the ops that follow their inputs'
+dtype, are deny-list ops or conversions to float32: attention's logits
+before the softmax) accumulates and returns float32 itself
+(:func:`_float32_results`), so that no half intermediate exists to
+overflow.
 """
 
 from __future__ import annotations
@@ -120,25 +125,110 @@ def _cast(x, dtype):
   return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
-def _eval(jaxpr: Jaxpr, consts: Iterable[Any], args: Iterable[Any], rules: _Rules):
+def _body(eqn) -> tuple[Jaxpr, list[Any]] | None:
+  """The body of a call whose invars and outvars are the equation's, or None."""
+  found = _jaxpr.call_body(eqn)
+  if found is not None:
+    return found
+  name = eqn.primitive.name
+  if name in _CUSTOM_CALLS:
+    key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
+    return _jaxpr.closed(eqn.params[key])
+  if name in ("remat", "remat2", "checkpoint"):
+    return _jaxpr.closed(eqn.params["jaxpr"])
+  return None
+
+
+def _float32_results(jaxpr: Jaxpr, out_float32: Iterable[bool], rules: _Rules) -> dict:
+  """For each variable of ``jaxpr``: is every reader of its value in float32?
+
+  A variable is read in float32 when each of its uses is a deny-list (or
+  unlisted) primitive, a conversion to float32 or wider, an infer or clear
+  primitive whose own results are read in float32 (they follow their
+  inputs' dtype), the input of a call whose body reads it so, or an output
+  of ``jaxpr`` marked in ``out_float32``. A use by an allow-list primitive
+  (another matmul: it reads half) or by a loop or branch (not analysed)
+  is not. Computed backwards, uses before definitions.
+  """
+  verdicts: dict[Any, list[bool]] = {}
+
+  def note(v, verdict):
+    if isinstance(v, _jaxpr.Var):
+      verdicts.setdefault(v, []).append(verdict)
+
+  def read_in_float32(v):
+    return all(verdicts.get(v, [True]))
+
+  for v, wanted in zip(jaxpr.outvars, out_float32, strict=True):
+    note(v, wanted)
+  for eqn in reversed(jaxpr.eqns):
+    name = eqn.primitive.name
+    kind = rules.kind(name)
+    body = _body(eqn)
+    if body is not None:
+      inner = _float32_results(
+        body[0], [read_in_float32(v) for v in eqn.outvars], rules
+      )
+      for v, b in zip(eqn.invars, body[0].invars, strict=True):
+        note(v, _in_float32(inner, b))
+      continue
+    if name == "convert_element_type":
+      target = jnp.dtype(eqn.params["new_dtype"])
+      verdict = _is_float(target) and target.itemsize >= 4
+    elif any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in eqn.params.values()):
+      verdict = False  # scan, while, cond: not analysed
+    elif kind == "allow":
+      verdict = False
+    elif kind in ("infer", "clear"):
+      verdict = all(read_in_float32(v) for v in eqn.outvars)
+    else:  # deny, or unlisted: float32
+      verdict = True
+    for v in eqn.invars:
+      note(v, verdict)
+  return {v: all(vs) for v, vs in verdicts.items()}
+
+
+def _in_float32(results: dict, v) -> bool:
+  """Whether ``v`` is read in float32 (a variable nobody reads: yes)."""
+  return results.get(v, True)
+
+
+def _eval(
+  jaxpr: Jaxpr,
+  consts: Iterable[Any],
+  args: Iterable[Any],
+  rules: _Rules,
+  out_float32: Iterable[bool] | None = None,
+):
+  """The rewritten values of ``jaxpr``'s outputs.
+
+  ``out_float32`` says, per output, whether whoever reads it reads it in
+  float32 (from the enclosing jaxpr's :func:`_float32_results`); the
+  function's own outputs are not (they come back in ``fun``'s dtypes).
+  """
+  if out_float32 is None:
+    out_float32 = [False] * len(jaxpr.outvars)
+  float32 = _float32_results(jaxpr, out_float32, rules)
+
   def eval_eqn(eqn, invals):
-    return _eval_eqn(eqn, [jnp.asarray(x) for x in invals], rules)
+    return _eval_eqn(eqn, [jnp.asarray(x) for x in invals], rules, float32)
 
   return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
 
 
-def _eval_eqn(eqn, invals, rules: _Rules):
+def _eval_eqn(eqn, invals, rules: _Rules, float32: dict):
   name = eqn.primitive.name
   params = eqn.params
   body = _jaxpr.call_body(eqn)
+  outs_float32 = [_in_float32(float32, v) for v in eqn.outvars]
   if body is not None:
-    return _eval(*body, invals, rules)
+    return _eval(*body, invals, rules, outs_float32)
   if name in _CUSTOM_CALLS:
-    return _custom_call(eqn, invals, rules)
+    return _custom_call(eqn, invals, rules, outs_float32)
   if name in ("remat", "remat2", "checkpoint"):
     sub, consts = _jaxpr.closed(params["jaxpr"])
     body = jax.checkpoint(
-      lambda *a: _eval(sub, consts, a, rules),
+      lambda *a: _eval(sub, consts, a, rules, outs_float32),
       prevent_cse=params.get("prevent_cse", True),
       policy=params.get("policy"),
     )
@@ -154,10 +244,10 @@ def _eval_eqn(eqn, invals, rules: _Rules):
       f"autocast does not support the primitive {name!r} (it holds a jaxpr that "
       "autocast cannot rewrite); call it outside the autocast function."
     )
-  return _first_order(eqn, invals, rules)
+  return _first_order(eqn, invals, rules, all(outs_float32))
 
 
-def _custom_call(eqn, invals, rules: _Rules):
+def _custom_call(eqn, invals, rules: _Rules, outs_float32: list[bool]):
   """A ``custom_jvp``/``custom_vjp`` call: its primal rewritten, its rule kept.
 
   The call runs with its inputs in the dtypes the function gave them and
@@ -169,7 +259,7 @@ def _custom_call(eqn, invals, rules: _Rules):
   sub, consts = _jaxpr.closed(eqn.params[key])
 
   def body(*args):
-    outs = _eval(sub, consts, args, rules)
+    outs = _eval(sub, consts, args, rules, outs_float32)
     return _match(outs, [v.aval.dtype for v in sub.outvars])
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in sub.invars]
@@ -178,7 +268,7 @@ def _custom_call(eqn, invals, rules: _Rules):
   return _jaxpr.bind(eqn, invals, {key: rewritten})
 
 
-def _first_order(eqn, invals, rules: _Rules):
+def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
   name = eqn.primitive.name
   kind = rules.kind(name)
   if name == "mul" and eqn.invars[0] is eqn.invars[1]:
@@ -200,6 +290,14 @@ def _first_order(eqn, invals, rules: _Rules):
     # kept. Otherwise it is the default, and the result is half too.
     if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize <= widest:
       params["preferred_element_type"] = half
+    if read_in_float32 and "preferred_element_type" in eqn.params:
+      # Every reader converts to float32 anyway: accumulate and return float32,
+      # so no half result exists to overflow (attention's logits).
+      f32 = jnp.dtype(jnp.float32)
+      if pet is None or not _is_float(pet) or jnp.dtype(pet).itemsize < 4:
+        params["preferred_element_type"] = f32
+      else:
+        params.pop("preferred_element_type", None)
     out_dtype = params.get("preferred_element_type", pet) or half
     if name == "dot_general" and rules.float8 and len(floating) == 2:
       if eqn.params.get("out_sharding") is not None:
@@ -324,7 +422,12 @@ def autocast(
   dtypes). It works under ``jax.jit``, ``jax.grad`` (float32 inputs get
   float32 gradients) and ``jax.vmap``. The user's own numerics are kept: a
   conversion ``fun`` writes keeps its target dtype, and a matmul result type
-  wider than its inputs stays. Every spelling of a square runs by the rule
+  wider than its inputs stays. A matmul whose result every reader computes
+  in float32 (the deny list's ``exp``, ``div``, reductions, or a conversion
+  to float32, reached through the ops that follow their inputs' dtype; not
+  another matmul, a loop or the function's output) reads half inputs and
+  accumulates and returns float32 itself: attention's logits before the
+  softmax never exist in half, so they cannot overflow. Every spelling of a square runs by the rule
   of ``square``. Literals, weakly-typed values and 0-d scalars follow the
   other inputs. Arguments that are not numbers or arrays (bools, strings)
   are static; like ``jax.jit``, the result is traced and compiled once per
@@ -358,13 +461,16 @@ def autocast(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax_lossscale as ols
-    >>> f = lambda w, x: jnp.sum(jnp.exp(x @ w))
+    >>> f = lambda w, x: jnp.sum(jnp.exp(jnp.tanh(x @ w) @ w.T))
     >>> g = ols.autocast(f, compute_dtype=jnp.float16)
     >>> jaxpr = jax.make_jaxpr(g)(jnp.ones((3, 2)), jnp.ones((4, 3)))
     >>> body = jaxpr.eqns[0].params["jaxpr"]  # the rewritten function, jitted
     >>> [(e.primitive.name, e.outvars[0].aval.dtype.name) for e in body.eqns
     ...  if e.primitive.name in ("dot_general", "exp")]
-    [('dot_general', 'float16'), ('exp', 'float32')]
+    [('dot_general', 'float16'), ('dot_general', 'float32'), ('exp', 'float32')]
+
+    The first matmul feeds ``tanh`` and another matmul: half. The second is
+    read by ``exp`` alone: float32 from its half inputs.
   """
   half = _policy.default_half_dtype() if compute_dtype is None else compute_dtype
   rules = _Rules(half, allow, deny, infer, clear, matmul)

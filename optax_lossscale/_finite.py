@@ -11,6 +11,7 @@ flag, fast-math included, can fold them away.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale._tree import array_leaves, is_float_array
+from optax_lossscale._tree import array_leaves, explicit_spec, is_float_array
 
 __all__ = [
   "CONCAT_MAX_SIZE",
@@ -120,28 +121,38 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
 
 def leaves_finite(leaves: list[Any], *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
   """:func:`all_finite` of a tree's leaves, already checked to be arrays."""
-  groups: dict[tuple[int, Any], list[jax.Array]] = {}
+  # Leaves are grouped by size and dtype (raveled) or, when their type
+  # names mesh axes (explicit sharding), by shape, dtype and partition spec:
+  # arrays of other specs cannot be combined elementwise, concatenated, or
+  # always raveled. Each group ends in one reduction to a replicated scalar.
+  groups: dict[tuple[Any, Any, Any], list[jax.Array]] = {}
   for x in leaves:
     if not is_float_array(x):
       continue
-    x = jnp.ravel(x)
+    spec = explicit_spec(x)
+    if spec is None:
+      x = jnp.ravel(x)
     for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
       part = _tested(part)
-      groups.setdefault((part.size, part.dtype), []).append(part)
-  # Small leaves of sizes that few other leaves share are concatenated, per
-  # dtype, into one array: one reduction for them all. Each would otherwise
-  # be a reduction of its own, and XLA's compile time grows much faster than
-  # the number of reductions next to the skip's selects (BENCHMARKS.md). The
-  # bits are tested after the concatenation: XLA splits a reduction of a
-  # concatenation back into one reduction per operand.
+      size = part.size if spec is None else part.shape
+      groups.setdefault((size, part.dtype, spec), []).append(part)
+  # Small unsharded leaves of sizes that few other leaves share are
+  # concatenated, per dtype, into one array: one reduction for them all.
+  # Each would otherwise be a reduction of its own, and XLA's compile time
+  # grows much faster than the number of reductions next to the skip's
+  # selects (BENCHMARKS.md). The bits are tested after the concatenation:
+  # XLA splits a reduction of a concatenation back into one reduction per
+  # operand.
   small: dict[Any, list[jax.Array]] = {}
-  for key in [k for k, v in groups.items() if _concatenated(k[0], len(v))]:
+  for key in [
+    k for k, v in groups.items() if k[2] is None and _concatenated(k[0], len(v))
+  ]:
     small.setdefault(key[1], []).extend(groups.pop(key))
   for dtype, parts in small.items():
-    groups[(-1, dtype)] = [jnp.concatenate(parts)]
+    groups[(-1, dtype, None)] = [jnp.concatenate(parts)]
   chunks = []  # (the elementwise maximum of up to `chunk` leaves, all ones)
-  for (size, _), parts in groups.items():
-    for i in range(0, len(parts) if size else 0, chunk):
+  for parts in groups.values():
+    for i in range(0, len(parts) if parts[0].size else 0, chunk):
       acc, mask = _exponent_bits(parts[i])
       for part in parts[i + 1 : i + chunk]:
         acc = jnp.maximum(acc, _exponent_bits(part)[0])
@@ -224,21 +235,25 @@ def count_nonfinite_device(x: jax.Array) -> jax.Array:
   """:func:`count_nonfinite` computed where ``x`` lies, for an array no host holds.
 
   Returns an int32 array of shape ``(2, rows)``: the NaN and infinite
-  entries of each row of ``x`` (its first axis), so that no single count
-  can overflow int32; sum it on the host.
+  entries of each row of ``x`` (its first axis; one row for a scalar or a
+  vector), so that no single count can overflow int32; sum it on the host.
+  Nothing is reshaped, so any sharding of ``x`` is kept.
   """
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros((2, 1), jnp.int32)
-  x = jnp.reshape(x, (x.shape[0] if x.ndim > 1 else 1, -1))
-  if jnp.iscomplexobj(x):
-    x = jnp.concatenate([jnp.real(x), jnp.imag(x)], axis=1)
-  magnitude, mask = _magnitude(_tested(x))
-  return jnp.stack(
-    [
-      jnp.sum(magnitude > mask, axis=1, dtype=jnp.int32),
-      jnp.sum(magnitude == mask, axis=1, dtype=jnp.int32),
-    ]
-  )
+  axes = tuple(range(1, x.ndim)) if x.ndim > 1 else None
+  counts = []
+  for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
+    magnitude, mask = _magnitude(_tested(part))
+    counts.append(
+      jnp.stack(
+        [
+          jnp.atleast_1d(jnp.sum(magnitude > mask, axis=axes, dtype=jnp.int32)),
+          jnp.atleast_1d(jnp.sum(magnitude == mask, axis=axes, dtype=jnp.int32)),
+        ]
+      )
+    )
+  return functools.reduce(jnp.add, counts)
 
 
 def nonfinite_kinds(leaves: list[Any]) -> jax.Array:
@@ -267,6 +282,12 @@ def nonfinite_kinds(leaves: list[Any]) -> jax.Array:
   stacks: dict[tuple[Any, int], list[tuple[int, jax.Array]]] = {}
   for i, x in enumerate(leaves):
     if not is_float_array(x) or x.size == 0:
+      continue
+    if explicit_spec(x) is not None:  # sharded in its type: reduced where it lies
+      parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
+      codes = [_kind_codes(_tested(part)) for part in parts]
+      pieces.append(functools.reduce(jnp.bitwise_or, codes)[None])
+      order.append(i)
       continue
     x = jnp.ravel(x)
     if jnp.iscomplexobj(x):

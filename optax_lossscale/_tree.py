@@ -17,6 +17,7 @@ import numpy as np
 
 __all__ = [
   "array_leaves",
+  "explicit_spec",
   "find_all",
   "find_unique",
   "is_array",
@@ -38,6 +39,25 @@ def is_float_array(x: Any) -> bool:
   """A leaf that loss scaling touches: an array of a floating dtype."""
   # float0, integer and bool arrays are not `inexact`.
   return is_array(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def explicit_spec(x: Any) -> tuple | None:
+  """The mesh axes ``x`` is sharded over in its type, or ``None``.
+
+  Under JAX's explicit sharding (a mesh with ``AxisType.Explicit`` axes) an
+  array's type carries its partition spec, and operations that combine
+  arrays of other specs (a concatenation, a reshape across a sharded
+  dimension) are type errors. This is that spec as a tuple when it names an
+  axis; ``None`` for a replicated array, for automatic sharding, and on JAX
+  versions without sharding in types.
+  """
+  typeof = getattr(jax, "typeof", None)
+  if typeof is None or not is_array(x):
+    return None
+  spec = getattr(getattr(typeof(x), "sharding", None), "spec", None)
+  if spec is None or all(s is None for s in spec):
+    return None
+  return tuple(spec)
 
 
 def keystr(path: Any) -> str:

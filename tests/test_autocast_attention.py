@@ -1,0 +1,160 @@
+"""autocast on attention whose logits overflow float16: float32 logits, no NaN.
+
+A matmul whose every reader computes in float32 (the softmax's exp, a
+division, a reduction, a conversion to float32) accumulates and returns
+float32 itself under autocast, so no float16 result exists to overflow.
+Tested on ``jax.nn.dot_product_attention``, Flax's
+``MultiHeadDotProductAttention`` and a hand-written softmax attention, with
+inputs whose logits exceed float16's largest value (the control below shows
+that they do), against float32; and the rule's other side: a matmul read by
+another matmul stays in float16.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import versions
+
+import optax_lossscale as ols
+
+F16_MAX = float(jnp.finfo(jnp.float16).max)
+
+
+def _qkv(scale=100.0, seed=0):
+  rng = np.random.default_rng(seed)
+  # Queries equal to the keys, entries of `scale`: logits of 8 * scale**2.
+  q = jnp.asarray(scale + rng.normal(size=(2, 6, 2, 8)), jnp.float32)
+  v = jnp.asarray(rng.normal(size=(2, 6, 2, 8)), jnp.float32)
+  return q, q, v
+
+
+def hand_written(q, k, v):
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+  weights = jax.nn.softmax(logits, axis=-1)
+  return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+def scaled_by_division(q, k, v):
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+
+
+def library(q, k, v):
+  return jax.nn.dot_product_attention(q, k, v)
+
+
+ATTENTION = {
+  "hand-written softmax attention": hand_written,
+  "divided logits": scaled_by_division,
+  "jax.nn.dot_product_attention": library,
+}
+
+
+def test_the_logits_overflow_float16():
+  # The control: computed in float16, these logits are infinite.
+  q, k, _ = _qkv()
+  logits16 = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float16), k.astype(jnp.float16))
+  assert not bool(jnp.all(jnp.isfinite(logits16)))
+  assert float(jnp.max(jnp.einsum("bqhd,bkhd->bhqk", q, k))) > F16_MAX
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention_with_overflowing_logits_matches_float32(name):
+  fn = ATTENTION[name]
+  q, k, v = _qkv()
+  want = fn(q, k, v)
+  got = ols.autocast(fn, compute_dtype=jnp.float16)(q, k, v)
+  assert got.dtype == jnp.float32
+  assert bool(jnp.all(jnp.isfinite(got))), name
+  # The values are float16-rounded (v and the weights): within float16's
+  # resolution of the output's largest entry.
+  np.testing.assert_allclose(got, want, atol=4e-3 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_the_gradients_match_float32(name):
+  fn = ATTENTION[name]
+  q, k, v = _qkv(scale=1.0)  # weights not saturated: the gradients mean something
+  loss = lambda f: lambda q: jnp.sum(f(q, k, v) ** 2)  # noqa: E731
+  want = jax.grad(loss(fn))(q)
+  got = jax.grad(loss(ols.autocast(fn, compute_dtype=jnp.float16)))(q)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, atol=2e-2 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_the_gradients_of_overflowing_logits_are_finite(name):
+  q, k, v = _qkv()
+  f = ols.autocast(ATTENTION[name], compute_dtype=jnp.float16)
+  g = jax.grad(lambda q: jnp.sum(f(q, k, v) ** 2))(q)
+  assert bool(jnp.all(jnp.isfinite(g))), name
+
+
+def _dots(fn, *args):
+  """``(input dtypes, output dtype)`` of every dot_general, in order, nested too."""
+  found = []
+
+  def visit(jaxpr):
+    for e in jaxpr.eqns:
+      if e.primitive.name == "dot_general":
+        found.append(
+          (tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
+        )
+      for p in e.params.values():
+        for sub in p if isinstance(p, (tuple, list)) else (p,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            visit(inner)
+
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_the_logits_matmul_reads_half_and_returns_float32(name):
+  q, k, v = _qkv()
+  dots = _dots(ols.autocast(ATTENTION[name], compute_dtype=jnp.float16), q, k, v)
+  assert len(dots) == 2, dots
+  logits, values = dots
+  assert logits == (("float16", "float16"), "float32"), dots  # half inputs, f32 out
+  assert values[0] == ("float16", "float16"), dots  # the weights times v: half
+
+
+def test_a_matmul_read_by_another_matmul_stays_half():
+  def mlp(w1, w2, x):
+    return jnp.sum(jnp.exp(jnp.tanh(x @ w1) @ w2))
+
+  args = (jnp.ones((4, 8)), jnp.ones((8, 3)), jnp.ones((5, 4)))
+  dots = _dots(ols.autocast(mlp, compute_dtype=jnp.float16), *args)
+  # The first feeds tanh and the next matmul: half. The second is read by
+  # exp only: float32.
+  assert [out for _, out in dots] == ["float16", "float32"], dots
+
+
+def test_a_result_the_function_returns_stays_half():
+  # The function's own outputs come back in its dtypes; the matmul that
+  # makes one is not read in float32 by anything inside: half, then cast.
+  f = lambda a, b: a @ b  # noqa: E731
+  dots = _dots(
+    ols.autocast(f, compute_dtype=jnp.float16), jnp.ones((2, 3)), jnp.ones((3, 4))
+  )
+  assert dots == [(("float16", "float16"), "float16")]
+
+
+@versions.examples  # Flax
+def test_flax_multi_head_attention_with_overflowing_logits():
+  import flax.linen as nn
+
+  mha = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
+  x = 1000.0 + jax.random.normal(jax.random.key(1), (2, 6, 16))
+  params = mha.init(jax.random.key(0), x)
+  f = lambda p, x: mha.apply(p, x)  # noqa: E731
+  # Flax divides the queries by sqrt(head size) before the logits' matmul.
+  q = jnp.einsum("btd,dhk->bthk", x, params["params"]["query"]["kernel"]) / np.sqrt(8)
+  k = jnp.einsum("btd,dhk->bthk", x, params["params"]["key"]["kernel"])
+  assert float(jnp.max(jnp.abs(jnp.einsum("bqhd,bkhd->bhqk", q, k)))) > F16_MAX
+  want = f(params, x)
+  got = ols.autocast(f, compute_dtype=jnp.float16)(params, x)
+  assert bool(jnp.all(jnp.isfinite(got)))
+  np.testing.assert_allclose(got, want, atol=4e-3 * float(jnp.max(jnp.abs(want))))
