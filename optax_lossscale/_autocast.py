@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _float8, _jaxpr, _policy
+from optax_lossscale import _dtypes, _float8, _jaxpr
 from optax_lossscale._autocast_lists import (
   ALLOW_LIST,
   CLEAR_LIST,
@@ -53,19 +53,16 @@ class _Rules:
   """The four lists, checked once, the half dtype and the float8 recipe."""
 
   def __init__(self, half, allow, deny, infer, clear, matmul=None):
-    self.half = jnp.dtype(half)
+    self.half = _dtypes.float_dtype(
+      "compute_dtype",
+      half,
+      allowed=(jnp.float16, jnp.bfloat16),
+      hint="A float8 compute dtype would cast every operation to float8: for "
+      "float8 matmuls keep a 16-bit compute dtype and pass matmul='float8' (or "
+      "an ols.Float8Matmul), e.g. autocast(f, compute_dtype=jnp.bfloat16, "
+      "matmul='float8').",
+    )
     self.float8 = _float8.as_recipe(matmul)
-    if _float8.is_float8(self.half):
-      raise ValueError(
-        f"`compute_dtype` cannot be {self.half}: a float8 compute dtype would cast "
-        "every operation to float8. For float8 matmuls, keep a 16-bit compute "
-        "dtype and pass `matmul='float8'` (or an ols.Float8Matmul), e.g. "
-        "autocast(f, compute_dtype=jnp.bfloat16, matmul='float8')."
-      )
-    if not _is_float(self.half) or self.half.itemsize >= 4:
-      raise ValueError(
-        f"`compute_dtype` must be a half-precision float dtype, got {self.half}."
-      )
     self.lists = {}
     for name, prims in (
       ("allow", allow),
@@ -300,16 +297,15 @@ def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
         params.pop("preferred_element_type", None)
     out_dtype = params.get("preferred_element_type", pet) or half
     if name == "dot_general" and rules.float8 and len(floating) == 2:
-      if eqn.params.get("out_sharding") is not None:
-        raise NotImplementedError(
-          "autocast's float8 matmuls do not support explicit sharding "
-          "(a dot_general with `out_sharding`); leave `matmul` unset."
-        )
       # Both operands as they come (float32 parameters are quantised from
       # float32, not from their half rounding).
       return [
         _float8.dot_general(
-          *invals, eqn.params["dimension_numbers"], out_dtype, rules.float8
+          *invals,
+          eqn.params["dimension_numbers"],
+          out_dtype,
+          rules.float8,
+          out_sharding=eqn.params.get("out_sharding"),
         )
       ]
   elif kind == "deny":
@@ -427,11 +423,11 @@ def autocast(
   to float32, reached through the ops that follow their inputs' dtype; not
   another matmul, a loop or the function's output) reads half inputs and
   accumulates and returns float32 itself: attention's logits before the
-  softmax never exist in half, so they cannot overflow. Every spelling of a square runs by the rule
-  of ``square``. Literals, weakly-typed values and 0-d scalars follow the
-  other inputs. Arguments that are not numbers or arrays (bools, strings)
-  are static; like ``jax.jit``, the result is traced and compiled once per
-  input signature.
+  softmax never exist in half, so they cannot overflow. Every spelling of a
+  square runs by the rule of ``square``. Literals, weakly-typed values and
+  0-d scalars follow the other inputs. Arguments that are not numbers or
+  arrays (bools, strings) are static; like ``jax.jit``, the result is traced
+  and compiled once per input signature.
 
   With ``matmul="float8"`` (or a :class:`Float8Matmul`), every
   ``dot_general`` with two floating operands runs in float8 with current
@@ -472,7 +468,7 @@ def autocast(
     The first matmul feeds ``tanh`` and another matmul: half. The second is
     read by ``exp`` alone: float32 from its half inputs.
   """
-  half = _policy.default_half_dtype() if compute_dtype is None else compute_dtype
+  half = _dtypes.default_half_dtype() if compute_dtype is None else compute_dtype
   rules = _Rules(half, allow, deny, infer, clear, matmul)
 
   def rewritten(static, treedef, *arrays):

@@ -131,10 +131,11 @@ def unscale_tree(
   """
 
   def divide(x, by):
-    inv = 1.0 / jnp.asarray(by, _F32)
-    if jnp.finfo(x.dtype).bits < 32:
-      return (x.astype(_F32) * inv).astype(x.dtype)
-    return x * inv.astype(x.dtype)
+    # In float32 for half leaves (cast back), in the leaf's own precision
+    # otherwise: a float64 leaf gets a float64 reciprocal, not a float32 one.
+    wide = _tree.wide_dtype(x.dtype)
+    inv = 1.0 / jnp.asarray(by, _F32).astype(jnp.finfo(wide).dtype)
+    return (x.astype(wide) * inv.astype(wide)).astype(x.dtype)
 
   def one(x, kept=False):
     if kept or not _tree.is_float_array(x):

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale import _dtypes, _tree
+
 __all__ = ["Float8Matmul", "as_recipe", "current_scale", "dot_general", "quantize"]
 
 #: Scales are clamped to at most this (2**63), so that the product of two
@@ -49,15 +51,6 @@ _RECIPE_DTYPES = tuple(
   )
   if hasattr(jnp, name)
 )
-
-
-def is_float8(dtype: Any) -> bool:
-  """Whether ``dtype`` is an 8-bit float dtype."""
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError:
-    return False
-  return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,15 +84,8 @@ class Float8Matmul:
 
   def __post_init__(self):
     for field in ("forward_dtype", "backward_dtype"):
-      value = getattr(self, field)
-      try:
-        ok = jnp.dtype(value) in _RECIPE_DTYPES
-      except TypeError:
-        ok = False
-      if not ok:
-        names = ", ".join(d.name for d in _RECIPE_DTYPES)
-        raise ValueError(f"`{field}` must be one of {names}; got {value!r}.")
-      object.__setattr__(self, field, jnp.dtype(value))
+      dtype = _dtypes.float_dtype(field, getattr(self, field), allowed=_RECIPE_DTYPES)
+      object.__setattr__(self, field, dtype)
     if not isinstance(self.power_of_two, (bool, np.bool_)):
       raise ValueError(f"`power_of_two` must be a bool, got {self.power_of_two!r}.")
 
@@ -175,19 +161,42 @@ def _product_dtype(out_dtype, exact_scale: bool) -> jnp.dtype:
   return jnp.dtype(jnp.float32)
 
 
-def _scaled_dot(a, b, dimension_numbers, inverse_scale, out_dtype, exact_scale):
+def _scaled_dot(
+  a, b, dimension_numbers, inverse_scale, out_dtype, exact_scale, out_sharding=None
+):
   """``dot_general(a, b) * inverse_scale`` of float8 ``a``, ``b``, in ``out_dtype``.
 
   The product accumulates in float32 (XLA's float8 matmuls always do) and
   comes out in ``out_dtype``; the one scalar multiplication directly on the
   result is what XLA's GPU backend folds into the cuBLASLt float8 GEMM.
+  ``out_sharding`` is the product's, under explicit sharding (``None``:
+  JAX's own).
   """
   pet = _product_dtype(out_dtype, exact_scale)
-  out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet)
+  kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet, **kwargs)
   return (out * inverse_scale.astype(pet)).astype(out_dtype)
 
 
-def _transpose(g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact):
+def _sharding_of(x: jax.Array, order: list[int] | None = None) -> Any:
+  """``x``'s sharding, its axes in ``order``, when its type names mesh axes.
+
+  ``None`` without explicit sharding (JAX then chooses, as for any matmul).
+  """
+  spec = _tree.explicit_spec(x)
+  if spec is None:
+    return None
+  spec = tuple(spec) + (None,) * (x.ndim - len(spec))
+  if order is not None:
+    spec = tuple(spec[i] for i in order)
+  return jax.sharding.NamedSharding(
+    jax.typeof(x).sharding.mesh, jax.sharding.PartitionSpec(*spec)
+  )
+
+
+def _transpose(
+  g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact, operand=None
+):
   """The cotangent of operand ``wrt`` (0: lhs, 1: rhs) of a ``dot_general``.
 
   ``g`` is the output's cotangent and ``other`` the other operand. The
@@ -195,6 +204,8 @@ def _transpose(g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact
   contracting ``g``'s free axes of ``other`` with ``other``'s free axes
   leaves (batch, free axes of ``wrt``, contracting axes of ``other`` in
   ascending order), which a transpose puts in operand ``wrt``'s order.
+  ``operand`` (the float8 operand ``wrt``) gives the cotangent its sharding
+  under explicit sharding.
   """
   (lc, rc), (lb, rb) = ((list(c) for c in dn) for dn in dimension_numbers)
   free = [
@@ -207,6 +218,12 @@ def _transpose(g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact
   g_free = [list(range(nb, nb + n0)), list(range(nb + n0, nb + n0 + n1))]
   contract = (lc, rc)
   mine, theirs = wrt, 1 - wrt
+  # Operand `mine`'s axis for each axis of the product.
+  order = [
+    *(lb, rb)[mine],
+    *free[mine],
+    *(contract[mine][contract[theirs].index(d)] for d in sorted(contract[theirs])),
+  ]
   out = _scaled_dot(
     g,
     other,
@@ -214,13 +231,9 @@ def _transpose(g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact
     scale,
     out_dtype,
     exact,
+    # Under explicit sharding: the cotangent sharded as its operand.
+    out_sharding=None if operand is None else _sharding_of(operand, order),
   )
-  # Operand `mine`'s axis for each axis of `out`.
-  order = [
-    *(lb, rb)[mine],
-    *free[mine],
-    *(contract[mine][contract[theirs].index(d)] for d in sorted(contract[theirs])),
-  ]
   return lax.transpose(out, tuple(np.argsort(order)))
 
 
@@ -230,6 +243,8 @@ def dot_general(
   dimension_numbers: Any,
   out_dtype: Any,
   recipe: Float8Matmul,
+  *,
+  out_sharding: Any = None,
 ) -> jax.Array:
   """``lax.dot_general(lhs, rhs, dimension_numbers)`` as a float8 matmul.
 
@@ -238,7 +253,9 @@ def dot_general(
   rescaled, cast to ``out_dtype``. Backward (a ``custom_vjp``): the output
   gradient quantised to ``recipe.backward_dtype`` and multiplied with the
   saved float8 operands, each product rescaled; the cotangents have the
-  operands' dtypes.
+  operands' dtypes. Under explicit sharding the product has
+  ``out_sharding`` (the ``dot_general``'s own) and each cotangent its
+  operand's sharding.
   """
   pow2 = recipe.power_of_two
   shapes = (lhs.shape, rhs.shape)
@@ -247,7 +264,7 @@ def dot_general(
   def forward(a, b):
     qa, ia = quantize(a, recipe.forward_dtype, pow2)
     qb, ib = quantize(b, recipe.forward_dtype, pow2)
-    out = _scaled_dot(qa, qb, dimension_numbers, ia * ib, out_dtype, pow2)
+    out = _scaled_dot(qa, qb, dimension_numbers, ia * ib, out_dtype, pow2, out_sharding)
     return out, (qa, ia, qb, ib)
 
   @jax.custom_vjp
@@ -257,8 +274,8 @@ def dot_general(
   def backward(saved, g):
     qa, ia, qb, ib = saved
     qg, ig = quantize(g, recipe.backward_dtype, pow2)
-    da = _transpose(qg, qb, dimension_numbers, shapes, 0, ig * ib, dtypes[0], pow2)
-    db = _transpose(qg, qa, dimension_numbers, shapes, 1, ig * ia, dtypes[1], pow2)
+    da = _transpose(qg, qb, dimension_numbers, shapes, 0, ig * ib, dtypes[0], pow2, qa)
+    db = _transpose(qg, qa, dimension_numbers, shapes, 1, ig * ia, dtypes[1], pow2, qb)
     return da, db
 
   product.defvjp(forward, backward)

@@ -13,21 +13,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _tree
+from optax_lossscale import _dtypes, _tree
 
-_DTYPE_NAMES = {
-  "float16": jnp.float16,
-  "f16": jnp.float16,
-  "bfloat16": jnp.bfloat16,
-  "bf16": jnp.bfloat16,
-  "float32": jnp.float32,
-  "f32": jnp.float32,
-  "full": jnp.float32,
-  "single": jnp.float32,
-  "float64": jnp.float64,
-  "f64": jnp.float64,
-  "double": jnp.float64,
-}
+#: The dtypes a policy holds: floating, wider than float8.
+_POLICY_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 _KEYS = {
   "params": "param_dtype",
   "param": "param_dtype",
@@ -55,23 +44,22 @@ def default_half_dtype(backend: str | None = None) -> jnp.dtype:
   float16 on GPUs (fast float16 matmuls; pair it with loss scaling),
   bfloat16 on TPUs and CPUs (float32's exponent range: no loss scaling
   needed).
+
+  Args:
+    backend: ``None`` (JAX's default backend), ``'cpu'``, ``'gpu'``,
+      ``'cuda'``, ``'rocm'`` or ``'tpu'``.
+
+  Raises:
+    ValueError: another backend name.
   """
-  backend = (backend or jax.default_backend()).lower()
-  if backend in ("gpu", "cuda", "rocm"):
-    return jnp.dtype(jnp.float16)
-  return jnp.dtype(jnp.bfloat16)
+  return _dtypes.default_half_dtype(backend)
 
 
 def _dtype(text: str, part: str, backend: str | None) -> jnp.dtype:
-  name = text.strip().lower()
-  if name == "half":
-    return default_half_dtype(backend)
-  if name not in _DTYPE_NAMES:
-    raise ValueError(
-      f"Unknown dtype {text.strip()!r} in policy part {part!r}; known: half, "
-      f"{', '.join(sorted(_DTYPE_NAMES))}."
-    )
-  return jnp.dtype(_DTYPE_NAMES[name])
+  try:
+    return _dtypes.float_dtype("dtype", text, backend_name=backend)
+  except ValueError as e:
+    raise ValueError(f"Policy part {part!r}: {e}") from None
 
 
 def _cast(tree: Any, dtype: jnp.dtype) -> Any:
@@ -122,19 +110,13 @@ class Policy:
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
-      value = getattr(self, field)
-      try:
-        dtype = jnp.dtype(value)
-      except TypeError:
-        raise ValueError(f"`{field}` must be a dtype, got {value!r}.") from None
-      if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"`{field}` must be a floating dtype, got {dtype.name}.")
-      if dtype.itemsize == 1:
-        raise ValueError(
-          f"`{field}` cannot be {dtype.name}: float8 is for matmul inputs only, "
-          "with a scale per tensor; use autocast(f, compute_dtype=jnp.bfloat16, "
-          "matmul='float8')."
-        )
+      dtype = _dtypes.float_dtype(
+        field,
+        getattr(self, field),
+        allowed=_POLICY_DTYPES,
+        hint="float8 is for matmul inputs only, with a scale per tensor; use "
+        "autocast(f, compute_dtype=jnp.bfloat16, matmul='float8').",
+      )
       object.__setattr__(self, field, dtype)
 
   @classmethod
@@ -149,7 +131,7 @@ class Policy:
       raise ValueError(f"A policy string must be a non-empty string, got {text!r}.")
     name = text.strip().lower()
     if name in _KERAS_NAMES:
-      return cls(*(jnp.dtype(_DTYPE_NAMES[d]) for d in _KERAS_NAMES[name]))
+      return cls(*(_dtypes.NAMES[d] for d in _KERAS_NAMES[name]))
     if "=" not in name and "," not in name:
       dtype = _dtype(name, text.strip(), backend)
       return cls(dtype, dtype, dtype)

@@ -27,6 +27,7 @@ __all__ = [
   "short",
   "unwrap",
   "unwrap_variables",
+  "wide_dtype",
 ]
 
 
@@ -58,6 +59,14 @@ def explicit_spec(x: Any) -> tuple | None:
   if spec is None or all(s is None for s in spec):
     return None
   return tuple(spec)
+
+
+def wide_dtype(dtype: Any) -> Any:
+  """The dtype to compute on a floating leaf in: float32 for a half-precision
+  leaf, the leaf's own dtype otherwise (float64 stays float64, complex
+  stays complex). Arithmetic on a leaf is never less precise than the leaf."""
+  dtype = jnp.dtype(dtype)
+  return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else dtype
 
 
 def keystr(path: Any) -> str:

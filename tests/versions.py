@@ -34,6 +34,12 @@ xla_figures = pytest.mark.skipif(
   reason="XLA's cost figures are asserted for jax >= 0.10's XLA; older XLAs "
   "fuse and allocate differently",
 )
+#: Explicit sharding (a mesh's `AxisType.Explicit`, specs in the types).
+explicit_sharding = pytest.mark.skipif(
+  not hasattr(getattr(jax, "sharding", None), "AxisType")
+  or not hasattr(jax, "set_mesh"),
+  reason="explicit sharding needs jax's AxisType.Explicit and jax.set_mesh",
+)
 #: `jax.shard_map` (with its varying-axes types) is jax >= 0.7's.
 shard_map = pytest.mark.skipif(
   not hasattr(jax, "shard_map"), reason="jax.shard_map needs jax >= 0.7"

@@ -176,10 +176,11 @@ def clip_each_by_norm(max_norm: float) -> optax.GradientTransformation:
     def one(g):
       if not _tree.is_float_array(g):
         return g
-      # Keras' formula: g * max_norm / max(norm, max_norm), in float32.
-      g32 = g.astype(jnp.float32)
-      norm = jnp.sqrt(jnp.sum(jnp.square(g32)))
-      return (g32 * max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
+      # Keras' formula: g * max_norm / max(norm, max_norm), in float32 at
+      # least (a float64 gradient in float64).
+      wide = g.astype(_tree.wide_dtype(g.dtype))
+      norm = jnp.sqrt(jnp.sum(jnp.square(jnp.abs(wide))))  # complex: |g|
+      return (wide * max_norm / jnp.maximum(norm, max_norm)).astype(g.dtype)
 
     return jax.tree.map(one, updates)
 
