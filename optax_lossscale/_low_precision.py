@@ -29,7 +29,7 @@ import numpy as np
 import optax
 
 from optax_lossscale import _tree
-from optax_lossscale._rounding import exact_update, is_half, round_to
+from optax_lossscale._rounding import draw, exact_update, is_half, round_to
 
 __all__ = [
   "KahanSummationState",
@@ -156,9 +156,11 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
   integers, ``None``) keep their updates as they are.
 
   The random numbers: each ``update`` splits the state's key into the next
-  state's key and this step's key, and draws ``jax.random.uniform`` for each
-  leaf from this step's key folded in with the leaf's index in the
-  flattened update tree. The key is in the state, so a run resumed from a
+  state's key and this step's key, and draws one random integer per entry
+  (``jax.random.bits``: 16 bits for bfloat16, 32 for float16) for each leaf
+  from this step's key folded in with the leaf's index in the flattened
+  update tree; :func:`round_to` adds it below the bits the dtype keeps and
+  truncates, one elementwise pass. The key is in the state, so a run resumed from a
   checkpoint repeats the same rounding, and under a loss scale a skipped
   step keeps it. Under ``jax.jit`` the numbers drawn for an array do not
   depend on its sharding (JAX's ``jax_threefry_partitionable`` decides
@@ -204,8 +206,8 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
     def one(i, u, p):
       if not (is_half(p) and _tree.is_float_array(u)):
         return u
-      uniform = jax.random.uniform(jax.random.fold_in(step_key, i), p.shape, _F32)
-      new = round_to(p.astype(_F32) + u.astype(_F32), p.dtype, uniform)
+      bits = draw(jax.random.fold_in(step_key, i), p.shape, p.dtype)
+      new = round_to(p.astype(_F32) + u.astype(_F32), p.dtype, bits)
       return exact_update(new, p)
 
     new_updates = [one(i, u, p) for i, (u, p) in enumerate(rows)]
@@ -307,8 +309,8 @@ def kahan_summation() -> optax.GradientTransformation:
         new_compensation.append(c)
         continue
       s = p.astype(_F32) + (u.astype(_F32) + c.astype(_F32))
-      new = round_to(s, p.dtype)
-      lost = jnp.where(jnp.isinf(new), 0.0, s - new.astype(_F32))
+      new = round_to(s, p.dtype)  # float32 values of p's dtype
+      lost = jnp.where(jnp.isinf(new), 0.0, s - new)
       new_updates.append(exact_update(new, p))
       new_compensation.append(lost.astype(p.dtype))
     return (

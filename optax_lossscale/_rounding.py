@@ -1,10 +1,14 @@
-"""Rounding to bfloat16 or float16, to nearest or at random; the update landing there.
+"""Rounding float32 to bfloat16 or float16 on its bits, to nearest or at random.
 
-:func:`round_to` rounds float32 values to a half dtype, to nearest even or
-stochastically (an exact probability from a uniform draw);
-:func:`exact_update` is the float32 update that ``optax.apply_updates``
-turns into exactly a given rounded value. The transformations of
-``_low_precision`` are built on them.
+:func:`round_to` rounds float32 values to a half dtype and returns them as
+float32 values that the dtype holds exactly: to nearest (ties to even), or
+stochastically, by adding one random integer below the bits the dtype keeps
+and truncating. Both are integer operations on the values' bits: one
+elementwise pass, exact, and out of reach of the compiler rewrites that may
+drop a float32-to-half-to-float32 round trip as "excess precision" (XLA's
+default allows them where its fusions fall). :func:`exact_update` is the
+float32 update that ``optax.apply_updates`` turns into exactly a given
+rounded value. The transformations of ``_low_precision`` are built on them.
 """
 
 from __future__ import annotations
@@ -13,15 +17,39 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from optax_lossscale import _tree
 
-__all__ = ["HALF_DTYPES", "exact_update", "is_half", "round_to"]
+__all__ = [
+  "HALF_DTYPES",
+  "draw",
+  "exact_update",
+  "is_half",
+  "random_bits_dtype",
+  "round_to",
+]
 
 _F32 = jnp.dtype(jnp.float32)
+_U32 = jnp.dtype(jnp.uint32)
+BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
 
-#: The parameter dtypes that the two transformations round to.
-HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+#: The parameter dtypes the transformations round to.
+HALF_DTYPES = (BF16, F16)
+
+_SIGN = np.uint32(0x80000000)
+_MAGNITUDE = np.uint32(0x7FFFFFFF)
+_INF = np.uint32(0x7F800000)
+#: The largest finite value of each dtype, as float32 bits.
+_MAX = {
+  BF16: np.uint32(np.float32(jnp.finfo(BF16).max).view(np.uint32)),
+  F16: np.uint32(np.float32(jnp.finfo(F16).max).view(np.uint32)),
+}
+#: float32 biased exponents: float16's smallest normal (2**-14), and below
+#: 2**-24 (float16's smallest subnormal), where a value rounds to 0 or 2**-24.
+_F16_NORMAL = 127 - 14
+_F16_TINY = 127 - 24
 
 
 def is_half(x: Any) -> bool:
@@ -29,60 +57,80 @@ def is_half(x: Any) -> bool:
   return _tree.is_array(x) and x.dtype in HALF_DTYPES
 
 
-# --------------------------------------------------------------------------
-# The rounding, and the update that applies it.
-# --------------------------------------------------------------------------
+def random_bits_dtype(dtype: Any) -> jnp.dtype:
+  """The random integers :func:`round_to` takes for ``dtype``: 16 bits for
+  bfloat16 (it drops 16 of float32's), 32 for float16 (it drops 13 to 23, and
+  the probability below its smallest subnormal is finer still)."""
+  return jnp.dtype(jnp.uint16 if jnp.dtype(dtype) == BF16 else jnp.uint32)
 
 
-def round_to(x: Any, dtype: Any, uniform: Any = None) -> jax.Array:
-  """A float32 array rounded to ``dtype``: to nearest even, or stochastically.
+def draw(key: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
+  """One random integer per element for rounding to ``dtype`` (``jax.random.bits``)."""
+  return jax.random.bits(key, shape, random_bits_dtype(dtype))
 
-  Without ``uniform``, ``x.astype(dtype)``: round to nearest, ties to even.
-  With ``uniform`` (random numbers in [0, 1) of ``x``'s shape, float32 as
-  ``jax.random.uniform`` draws them), each entry becomes its upper
-  ``dtype`` neighbour ``hi`` where ``uniform < (x - lo) / (hi - lo)`` and
-  its lower one ``lo`` otherwise: ``hi`` with probability
-  ``(x - lo) / (hi - lo)``, so the expected result is ``x``.
 
-  The neighbours are ``x``'s nearest ``dtype`` value and the next one on the
-  other side of ``x`` (``jnp.nextafter`` in ``dtype``), which covers negative
-  values, subnormals and the step across zero. The two differences are
-  exact in float32 and the spacing ``hi - lo`` is a power of two, so the
-  probability is exact, and a multiple of 2**-16 (bfloat16), 2**-13 (normal
-  float16) or at least 2**-23 (float16's subnormals), which float32 uniforms
-  (multiples of 2**-23) hit exactly: the rounding is unbiased. The one
-  exception: between 0 and float16's smallest subnormal 2**-24 the
-  probability can be finer than 2**-23 and is rounded up to a multiple of
-  it (a bias below 2**-47). Values of ``dtype`` (exactly representable),
-  ``±inf``, NaN and values beyond ``dtype``'s largest finite value are
-  rounded to nearest, whatever ``uniform`` says: they never move, and
-  overflow as round-to-nearest does. Where the backend flushes float32
-  subnormals to zero (XLA's CPU backend), a subnormal ``x`` (below 2**-126,
-  where bfloat16's subnormals lie) is read as zero, and rounded to nearest;
-  no other input is affected (the differences are taken after scaling
-  values below 1 by 2**64, so none of them is subnormal).
+def _dropped(magnitude: jax.Array, dtype: Any) -> Any:
+  """How many low float32 bits ``dtype`` does not keep (per element for float16)."""
+  if dtype == BF16:  # float32's exponent range: always the low 16
+    return np.uint32(16)
+  exponent = magnitude >> 23
+  # float16 keeps 10 of the 23 fraction bits down to 2**-14; below, its
+  # subnormals keep one bit fewer per binade (a multiple of 2**-24).
+  below = jnp.maximum(np.uint32(_F16_NORMAL), exponent) - exponent
+  return np.uint32(13) + jnp.minimum(below, np.uint32(10))
+
+
+def round_to(x: Any, dtype: Any, bits: Any = None) -> jax.Array:
+  """float32 ``x`` rounded to ``dtype``, returned as the float32 values it holds.
+
+  Works on the bits of ``|x|`` (the sign is kept): the dtype keeps the high
+  bits of a float32 and drops ``d`` low ones (bfloat16: 16; float16: 13,
+  and 14 to 23 in its subnormal range). Adding to the dropped bits and
+  truncating them rounds the magnitude up exactly when the sum carries
+  into the kept bits, and a carry out of the fraction lands on the next
+  power of two, which the dtype holds too.
+
+  * Without ``bits``: to nearest, ties to even (add ``2**(d-1) - 1`` and the
+    lowest kept bit): what ``x.astype(dtype)`` does.
+  * With ``bits`` (one random integer per element, uniform, of
+    :func:`random_bits_dtype`: 16 bits for bfloat16, 32 for float16): add
+    its top ``d`` bits and truncate. The magnitude rounds up, where the
+    sum carries (``bits >= 2**B - L * 2**(B - d)``, ``B`` the integers'
+    width), with probability ``L / 2**d``, ``L`` the dropped bits' value,
+    which is ``(|x| - lo) / (hi - lo)`` for the two neighbours
+    ``lo <= |x| < hi``: exact and unbiased. Below float16's smallest
+    subnormal ``2**-24`` the neighbours are 0 and ``2**-24`` and the
+    probability ``|x| / 2**-24`` is taken to 32 bits, rounded down: exact for
+    ``|x| >= 2**-33``, short by less than ``2**-56`` below.
+
+  Values of the dtype never move; ``±inf`` and NaN pass; a value beyond the
+  dtype's largest finite one is rounded to nearest, ``±inf`` from half a
+  unit past it, as round-to-nearest does. float32 subnormals are rounded
+  as any other value (no arithmetic reads them: nothing is flushed).
 
   Args:
     x: a float32 array.
     dtype: ``jnp.bfloat16`` or ``jnp.float16``.
-    uniform: ``None``, or float32 uniform random numbers in [0, 1) of
-      ``x``'s shape.
+    bits: ``None``, or random integers of ``x``'s shape and of
+      :func:`random_bits_dtype` (``draw`` makes them).
 
   Returns:
-    ``x`` rounded, in ``dtype``.
+    float32, ``x``'s shape: values that ``dtype`` represents exactly, so
+    that converting them to ``dtype`` is exact.
 
   Raises:
-    ValueError: ``x`` is not float32, ``dtype`` is not bfloat16 or float16,
-      or ``uniform`` is not a float32 array of ``x``'s shape.
+    ValueError: ``x`` is not float32, ``dtype`` not bfloat16 or float16, or
+      ``bits`` not of :func:`random_bits_dtype` and ``x``'s shape.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from optax_lossscale._rounding import round_to
     >>> x = jnp.full(2, 1 + 2.0**-9)  # a quarter of the way from 1 to 1 + 2**-7
     >>> round_to(x, jnp.bfloat16)
-    Array([1, 1], dtype=bfloat16)
-    >>> round_to(x, jnp.bfloat16, jnp.array([0.2, 0.3]))  # 1 + 2**-7 if u < 1/4
-    Array([1.00781, 1], dtype=bfloat16)
+    Array([1., 1.], dtype=float32)
+    >>> bits = jnp.array([0xD000, 0xB000], jnp.uint16)  # up iff bits >= 3/4 * 2**16
+    >>> round_to(x, jnp.bfloat16, bits)
+    Array([1.0078125, 1.       ], dtype=float32)
   """
   x = jnp.asarray(x)
   if x.dtype != _F32:
@@ -93,30 +141,49 @@ def round_to(x: Any, dtype: Any, uniform: Any = None) -> jax.Array:
     dtype = None
   if dtype not in HALF_DTYPES:
     raise ValueError(f"`dtype` must be bfloat16 or float16, got {dtype!r}.")
-  nearest = x.astype(dtype)
-  if uniform is None:
-    return nearest
-  uniform = jnp.asarray(uniform)
-  if uniform.dtype != _F32 or uniform.shape != x.shape:
-    raise ValueError(
-      f"`uniform` must be a float32 array of x's shape {x.shape}, got "
-      f"{uniform.dtype}{list(uniform.shape)}."
-    )
-  near32 = nearest.astype(_F32)
-  below = near32 < x  # the nearest value is the lower neighbour
-  toward = jnp.where(below, jnp.inf, -jnp.inf).astype(dtype)
-  other = jnp.nextafter(nearest, toward)
-  lo = jnp.where(below, nearest, other)
-  hi = jnp.where(below, other, nearest)
-  # To nearest: values of the dtype, inf, NaN, beyond the largest value.
-  keep = (near32 == x) | ~(jnp.abs(x) <= float(jnp.finfo(dtype).max))
-  # Below 1 the differences are taken 2**64 times larger (exactly), so that
-  # none is a float32 subnormal, which some backends flush to zero.
-  scale = jnp.where(jnp.abs(x) < 1.0, 2.0**64, 1.0).astype(_F32)
-  lo_scaled = lo.astype(_F32) * scale
-  spacing = jnp.where(keep, 1.0, hi.astype(_F32) * scale - lo_scaled)
-  p_hi = (x * scale - lo_scaled) / spacing
-  return jnp.where(keep, nearest, jnp.where(uniform < p_hi, hi, lo))
+  if bits is not None:
+    bits = jnp.asarray(bits)
+    want = random_bits_dtype(dtype)
+    if bits.dtype != want or bits.shape != x.shape:
+      raise ValueError(
+        f"`bits` must be a {want} array of x's shape {x.shape}, got "
+        f"{bits.dtype}{list(bits.shape)}."
+      )
+  raw = lax.bitcast_convert_type(x, _U32)
+  sign, magnitude = raw & _SIGN, raw & _MAGNITUDE
+  dropped = _dropped(magnitude, dtype)
+  one = np.uint32(1)
+  if bits is None:
+    add = (one << (dropped - one)) - one + ((magnitude >> dropped) & one)
+  else:
+    width = np.uint32(jnp.iinfo(bits.dtype).bits)
+    add = bits.astype(_U32) >> (width - dropped)  # its top `dropped` bits
+  rounded = (magnitude + add) & ~((one << dropped) - one)
+  if dtype == F16:  # below 2**-24: 0 or 2**-24
+    exponent = magnitude >> 23
+    if bits is None:  # to nearest: 2**-24 above 2**-25, the tie (2**-25) to 0
+      up = magnitude > np.float32(2.0**-25).view(np.uint32)
+    else:  # up with probability |x| / 2**-24 = |x| * 2**56 / 2**32
+      significand = (magnitude & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+      shift = exponent.astype(jnp.int32) - 94  # |x| * 2**56 = significand * 2**shift
+      threshold = jnp.where(
+        shift >= 0,
+        significand << jnp.clip(shift, 0, 31).astype(_U32),
+        significand >> jnp.clip(-shift, 0, 31).astype(_U32),
+      )
+      threshold = jnp.where(exponent == 0, np.uint32(0), threshold)
+      # bits >= 2**32 - threshold, as the carry of the other values.
+      up = ~bits.astype(_U32) < threshold
+    smallest = np.float32(2.0**-24).view(np.uint32)
+    tiny = exponent < np.uint32(_F16_TINY)
+    rounded = jnp.where(tiny, jnp.where(up, smallest, np.uint32(0)), rounded)
+  if bits is not None:  # beyond the largest finite value: to nearest
+    half_unit = np.uint32(1 << (15 if dtype == BF16 else 12))
+    nearest = jnp.where(magnitude >= _MAX[dtype] + half_unit, _INF, _MAX[dtype])
+    rounded = jnp.where(magnitude > _MAX[dtype], nearest, rounded)
+  rounded = jnp.where(rounded > _MAX[dtype], _INF, rounded)  # overflow: inf
+  rounded = jnp.where(magnitude > _INF, magnitude, rounded)  # NaN passes
+  return lax.bitcast_convert_type(sign | rounded, _F32)
 
 
 def exact_update(new: jax.Array, param: jax.Array) -> jax.Array:
@@ -144,7 +211,8 @@ def exact_update(new: jax.Array, param: jax.Array) -> jax.Array:
   would be NaN).
 
   Args:
-    new: the rounded new parameter, in ``param``'s dtype.
+    new: the rounded new parameter: float32 values the parameter's dtype
+      holds (:func:`round_to`'s), or already in that dtype.
     param: the current parameter.
 
   Returns:

@@ -248,7 +248,9 @@ def test_a_none_gradient_that_the_inner_optimizer_takes_is_handled_exactly():
   # optax's sgd leaves a None gradient's parameter alone: so does the scale.
   tx = ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0)
   params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
-  updates, state = tx.update({"w": jnp.full(3, 8.0), "b": None}, tx.init(params), params)
+  updates, state = tx.update(
+    {"w": jnp.full(3, 8.0), "b": None}, tx.init(params), params
+  )
   assert updates["b"] is None
   np.testing.assert_array_equal(updates["w"], -2.0)
   assert int(ols.diagnostics(state)["good_steps"]) == 1

@@ -2,7 +2,7 @@
 
 The rounding is checked against a reference that finds a value's two
 neighbours by searching the sorted table of every finite value of the dtype
-(NumPy/ml_dtypes, float64), fed the same uniform numbers; the transformations
+(NumPy/ml_dtypes, float64), fed the same random bits; the transformations
 through ``optax.apply_updates``, bit for bit. ``same_values`` compares bits,
 with ``+0.0 == -0.0`` (a zero comes out of IEEE addition as ``+0.0``) and
 NaN equal to NaN.
@@ -20,7 +20,7 @@ import pytest
 import versions
 
 import optax_lossscale as ols
-from optax_lossscale._rounding import exact_update, round_to
+from optax_lossscale._rounding import draw, exact_update, round_to
 
 F32 = np.dtype(np.float32)
 BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
@@ -54,25 +54,36 @@ def finite_values(dtype):
   return np.unique(finite.view(dtype).astype(np.float64))
 
 
-def reference_round(x, dtype, uniform):
-  """``(rounded, lo, hi)`` of float32 ``x``: ``hi`` where ``u < p``, else ``lo``.
+def reference_round(x, dtype, bits):
+  """``(rounded, lo, hi)`` of float32 ``x``: its magnitude up where ``bits`` say.
 
-  The neighbours are found in the table of every finite value; values of
-  the dtype, non-finite values and values beyond the largest are cast
-  (round to nearest, as NumPy/ml_dtypes do).
+  The magnitude's neighbours ``lo <= |x| < hi`` are found in the table of
+  every finite value; it rounds up where ``bits >= 2**B - floor(p * 2**B)``
+  (the carry of ``bits``' top bits added below the kept ones), with
+  ``p = (|x| - lo) / (hi - lo)`` and ``B`` the random integers' width (16
+  for bfloat16, 32 for float16), and keeps its sign. Values of the dtype,
+  non-finite values and values beyond the largest are cast (round to
+  nearest, as NumPy/ml_dtypes do). ``lo`` and ``hi`` are returned signed, in
+  increasing order.
   """
   x = np.asarray(x, F32)
   table = finite_values(dtype)
+  table = table[table >= 0]
+  width = np.iinfo(np.asarray(bits).dtype).bits
   with np.errstate(all="ignore"):  # NaN inputs (signalling ones too)
     x64 = x.astype(np.float64)
-    inside = np.isfinite(x64) & (np.abs(x64) <= table[-1])
-    xs = np.where(inside, x64, 0.0)
-    i = np.clip(np.searchsorted(table, xs, side="right"), 1, len(table) - 1)
-    lo, hi = table[i - 1], table[i]
-    p = np.where(lo == xs, 0.0, (xs - lo) / (hi - lo))
-    picked = np.where(np.asarray(uniform, np.float64) < p, hi, lo)
+    a = np.abs(x64)
+    inside = np.isfinite(x64) & (a <= table[-1])
+    a = np.where(inside, a, 0.0)
+    i = np.clip(np.searchsorted(table, a, side="right"), 1, len(table) - 1)
+    small, big = table[i - 1], table[i]
+    p = np.where(small == a, 0.0, (a - small) / (big - small))
+    up = np.asarray(bits, np.float64) >= 2.0**width - np.floor(p * 2.0**width)
+    picked = np.copysign(np.where(up, big, small), x64)
     nearest = x.astype(dtype).astype(np.float64)
     out = np.where(inside, picked, nearest).astype(dtype)
+    lo = np.where(x64 < 0, -big, small)
+    hi = np.where(x64 < 0, -small, big)
   return out, lo, hi
 
 
@@ -128,23 +139,32 @@ def _inputs(dtype, n, seed):
   edges += [1.0, 1.0 + 2.0**-9, 1.0 - 2.0**-10, 3.0e-5, 65504.0, 65520.0, 1e38]
   edges = np.asarray(edges + [-e for e in edges] + [np.nan], np.float64)
   with np.errstate(over="ignore"):
-    edges = np.repeat(edges.astype(F32), 16)  # each edge with several uniforms
+    edges = np.repeat(edges.astype(F32), 16)  # each edge with several random draws
   return np.concatenate([anything, realistic, between, edges])
+
+
+def _rounded(x, dtype, bits=None):
+  """round_to's float32 values, in ``dtype`` (the conversion is exact)."""
+  got = np.asarray(jax.jit(round_to, static_argnums=1)(x, dtype, bits))
+  assert got.dtype == F32
+  with np.errstate(all="ignore"):
+    assert np.array_equal(
+      got.astype(dtype).astype(F32), got, equal_nan=True
+    )  # values the dtype holds
+    return got.astype(dtype)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_round_to_matches_the_reference(dtype):
   x = _inputs(dtype, 4096, seed=0)
-  u = jax.random.uniform(jax.random.key(1), x.shape)
-  got = np.asarray(jax.jit(round_to, static_argnums=1)(x, dtype, u))
-  expected, lo, hi = reference_round(x, dtype, u)
-  flushed = np.zeros(x.shape, bool)
-  if FLUSHES:  # float32 subnormals are read as zero here: to nearest
-    flushed = np.abs(x) < 2.0**-126
-    assert_same_values(got[flushed], x[flushed].astype(dtype), x[flushed])
-  assert_same_values(got[~flushed], expected[~flushed], x[~flushed])
+  bits = draw(jax.random.key(1), x.shape, dtype)
+  got = _rounded(x, dtype, bits)
+  expected, lo, hi = reference_round(x, dtype, bits)
+  # float32 subnormals included: the rounding reads bits, no arithmetic
+  # flushes them.
+  assert_same_values(got, expected, x)
   # Both neighbours come up: the rounding is stochastic.
-  strictly_between = (lo < x) & (x < hi) & ~flushed
+  strictly_between = (lo < x) & (x < hi)
   got64 = got.astype(np.float64)
   assert (got64[strictly_between] == lo[strictly_between]).sum() > 1000
   assert (got64[strictly_between] == hi[strictly_between]).sum() > 1000
@@ -155,7 +175,7 @@ def test_round_to_nearest_is_the_cast(dtype):
   x = _inputs(dtype, 4096, seed=2)
   with np.errstate(all="ignore"):
     expected = x.astype(dtype)
-  assert_same_values(round_to(x, dtype), expected, x)
+  assert_same_values(_rounded(x, dtype), expected, x)
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=str)
@@ -163,8 +183,7 @@ def test_values_of_the_dtype_never_move(dtype):
   values = np.arange(2**16, dtype=np.uint16).view(dtype)  # every bit pattern
   x = values.astype(F32)
   for seed in range(3):
-    u = jax.random.uniform(jax.random.key(seed), x.shape)
-    got = np.asarray(round_to(x, dtype, u))
+    got = _rounded(x, dtype, draw(jax.random.key(seed), x.shape, dtype))
     finite = np.isfinite(x)
     # Bit for bit, -0.0 and subnormals included; inf stays inf, NaN NaN.
     assert (
@@ -199,15 +218,13 @@ def test_round_to_is_unbiased(dtype):
   @jax.jit
   def mean_of(x):
     def one(key):
-      u = jax.random.uniform(key, (n // 64,))
-      return round_to(jnp.full(n // 64, x), dtype, u).astype(jnp.float32)
+      bits = draw(key, (n // 64,), dtype)
+      return round_to(jnp.full(n // 64, x), dtype, bits)
 
     return jax.vmap(one)(keys)
 
   for lo, hi, fraction in cases:
     x = np.float32(lo + fraction * (hi - lo))
-    if FLUSHES and abs(x) < 2.0**-126:
-      continue  # rounded to nearest here (test_round_to_matches_the_reference)
     p = (float(x) - lo) / (hi - lo)
     samples = np.asarray(mean_of(x), np.float64)
     assert set(np.unique(samples)) <= {lo, hi}
@@ -224,9 +241,11 @@ def test_round_to_refuses_bad_arguments():
   for dtype in (jnp.float32, jnp.float8_e4m3fn, "nope"):
     with pytest.raises(ValueError, match="`dtype` must be bfloat16 or float16"):
       round_to(x, dtype)
-  for u in (jnp.ones(2), jnp.ones(3, jnp.bfloat16)):
-    with pytest.raises(ValueError, match="`uniform` must be a float32 array"):
-      round_to(x, jnp.bfloat16, u)
+  for bits in (jnp.ones(2, jnp.uint16), jnp.ones(3), jnp.ones(3, jnp.uint32)):
+    with pytest.raises(ValueError, match="`bits` must be a uint16 array"):
+      round_to(x, jnp.bfloat16, bits)
+  with pytest.raises(ValueError, match="`bits` must be a uint32 array"):
+    round_to(x, jnp.float16, jnp.ones(3, jnp.uint16))
 
 
 # --------------------------------------------------------------------------
@@ -275,10 +294,10 @@ def _realistic(dtype, seed, shape=(64, 48)):
   return jnp.asarray(p, dtype), jnp.asarray(u, F32)
 
 
-def _uniforms(state, index, shape):
-  """The uniforms an update draws for leaf ``index`` (the documented schedule)."""
+def _bits(state, index, shape, dtype):
+  """The random bits an update draws for leaf ``index`` (the documented schedule)."""
   _, step = jax.random.split(jax.random.wrap_key_data(state.rounding_key))
-  return jax.random.uniform(jax.random.fold_in(step, index), shape)
+  return draw(jax.random.fold_in(step, index), shape, dtype)
 
 
 @pytest.mark.standard_promotion
@@ -295,7 +314,7 @@ def test_stochastic_rounding_applies_exactly_the_reference_rounding(dtype):
     for i, k in enumerate(sorted(params)):
       assert new_updates[k].dtype == F32
       x = np.asarray(params[k], F32) + np.asarray(updates[k], F32)
-      expected, _, _ = reference_round(x, dtype, _uniforms(state, i, x.shape))
+      expected, _, _ = reference_round(x, dtype, _bits(state, i, x.shape, dtype))
       assert_same_values(new_params[k], expected, x)
     # The key advanced by one split, and the rounding moved weights.
     next_key, _ = jax.random.split(jax.random.wrap_key_data(state.rounding_key))

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import versions
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -64,14 +65,15 @@ def grads(step):
   return out
 
 
-def make_tx():
+def make_tx(inner=None):
   """Stochastic rounding on some leaves, Kahan summation on the others."""
   rounding = {
     "stochastic": ols.stochastic_rounding(jax.random.key(3)),
     "kahan": ols.kahan_summation(),
   }
-  adam = optax.adam(1e-3, eps=1e-3)  # eps=1e-8 would be 0 in float16 moments
-  inner = {k: optax.chain(adam, r) for k, r in rounding.items()}
+  # eps=1e-8 would be 0 in float16 moments
+  inner = inner or optax.adam(1e-3, eps=1e-3)
+  inner = {k: optax.chain(inner, r) for k, r in rounding.items()}
   labels = {k: spec[3] for k, spec in SPECS.items()}
   return ols.dynamic_loss_scale(
     optax.multi_transform(inner, labels), initial_scale=2.0**4
@@ -79,18 +81,34 @@ def make_tx():
 
 
 @functools.cache
-def run(sharded, partitionable):
+def run(sharded, partitionable, explicit=False):
   with jax.threefry_partitionable(partitionable):
-    return _run(sharded)
+    if not explicit:
+      return _run(sharded)
+    mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):  # jit traces with the specs in the types
+      return _run(sharded, mesh, float32_sgd=True)
 
 
-def _run(sharded):
-  tx = make_tx()
+def _run(sharded, explicit_mesh=None, float32_sgd=False):
+  if not float32_sgd:
+    tx = make_tx()
+    step_grads = [grads(t) for t in range(STEPS)]
+  else:
+    # float32 gradients and SGD: no arithmetic in half precision but the
+    # rounding's. XLA may compute half-precision arithmetic (Adam's moments
+    # kept in bfloat16) in float32 and round it only where it chooses to
+    # ("excess precision", on by default), which differs between programs
+    # partitioned otherwise; the rounding works on integer bits, which no
+    # such rewrite touches.
+    tx = make_tx(optax.sgd(1e-3))
+    step_grads = [
+      jax.tree.map(lambda g: g.astype(jnp.float32), grads(t)) for t in range(STEPS)
+    ]
   params = init_params()
-  step_grads = [grads(t) for t in range(STEPS)]
   kwargs = {}
   if sharded:
-    mesh = Mesh(np.array(jax.devices()[:N]), ("data",))
+    mesh = explicit_mesh or Mesh(np.array(jax.devices()[:N]), ("data",))
     shardings = {k: NamedSharding(mesh, spec[2]) for k, spec in SPECS.items()}
     params = jax.device_put(params, shardings)
     step_grads = [jax.device_put(g, shardings) for g in step_grads]
@@ -137,3 +155,13 @@ def test_the_random_numbers_depend_on_threefry_partitionable():
   on, off = (run(True, flag)[0] for flag in (True, False))
   assert not np.array_equal(on["rows"], off["rows"])  # stochastic rounding
   assert np.array_equal(on["cols"], off["cols"])  # Kahan summation
+
+
+@versions.explicit_sharding
+def test_explicit_sharding_equals_unsharded_bit_for_bit():
+  # With JAX's explicit sharding the specs are in the arrays' types: the
+  # rounding (its random numbers included) gives one device's bits.
+  sharded = run(True, True, explicit=True)
+  with jax.threefry_partitionable(True):
+    one = _run(False, float32_sgd=True)
+  assert_bitwise_equal(sharded, one)
