@@ -204,3 +204,20 @@ def test_telemetry_benchmark_runs_and_reports_every_step(tmp_path):
   assert off == rows["loss scale, record off, again"]
   assert float(on) > float(off) and on == rows["record on, every step non-finite"]
   assert len(re.findall(r"^\| (1|16) \| [\d.]+ s \| [\d.]+ s \|", text, re.M)) == 2
+
+
+def test_error_paths_benchmark_runs_and_times_each_path():
+  import re
+  import subprocess
+
+  out = subprocess.run(
+    [sys.executable, os.path.join(_BENCH, "error_paths.py"), "--leaves", "5", "12"]
+    + ["--repeats", "1"],
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  ).stdout
+  rows = re.findall(r"^\| (\d+) \| [\d.]+ s / [\d.]+ ms \| [\d.]+ s / [\d.]+ ms \| "
+                    r"[\d.]+ s \| [\d.]+ s / [\d.]+ ms \|$", out, re.M)  # fmt: skip
+  assert rows == ["5", "12"], out

@@ -80,3 +80,36 @@ def test_zero_size_half_complex_and_float8_leaves():
     ols.check_checkpoint({"b": jnp.array([1.0, jnp.nan], jnp.bfloat16)})
   with pytest.raises(ValueError, match=r"\['c'\]: 1 inf"):
     ols.check_checkpoint({"c": jnp.array([1 + 1j, complex(0, float("inf"))])})
+
+
+def _compiled_during(fn):
+  """The XLA compilations ``fn()`` ran (jax.log_compiles' messages)."""
+  import io
+  import logging
+
+  stream = io.StringIO()
+  handler = logging.StreamHandler(stream)
+  logger = logging.getLogger("jax")
+  logger.addHandler(handler)
+  try:
+    with jax.log_compiles(True):
+      fn()
+  finally:
+    logger.removeHandler(handler)
+  return [line for line in stream.getvalue().splitlines() if "Compiling" in line]
+
+
+def test_naming_the_bad_leaves_compiles_nothing():
+  # The error path costs what the happy path costs: after the finite check
+  # (compiled once per set of shapes), the leaves are counted on the host.
+  good = {f"leaf{i}": jnp.ones(i + 1) for i in range(60)}  # 60 distinct shapes
+  bad = {**good, "leaf7": good["leaf7"].at[3].set(jnp.inf)}
+  ols.check_checkpoint(good)
+
+  def refuse():
+    with pytest.raises(ValueError, match=r"\['leaf7'\]: 1 inf \(of 8 entries\)"):
+      ols.check_checkpoint(bad)
+
+  assert _compiled_during(refuse) == []
+  # The control: a new shape does compile (the log is read).
+  assert _compiled_during(lambda: ols.check_checkpoint({"x": jnp.ones(1234)}))
