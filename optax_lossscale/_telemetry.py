@@ -12,6 +12,7 @@ the per-leaf work; :func:`nonfinite_report` reads it on the host.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -79,13 +80,20 @@ jax.tree_util.register_dataclass(
 )
 
 
+_REGISTERED = []
+
+
 def register_flax_serialization() -> None:
   """Lets ``flax.serialization`` (``to_bytes``, ``to_state_dict``) save a record.
 
-  Called when ``optax_lossscale.flax`` is imported, and at this module's
-  import when Flax's serialization is already loaded. The arrays are saved
-  by name; the paths come from the restore target.
+  Called when a record is made (:func:`initial_record`) and Flax is
+  installed, when ``optax_lossscale.flax`` is imported, and at this module's
+  import when Flax's serialization is already loaded: whatever the order of
+  the imports, a record that exists can be serialised. Once. The arrays are
+  saved by name; the paths come from the restore target.
   """
+  if _REGISTERED:
+    return
   from flax import serialization
 
   def to_state(r):
@@ -102,6 +110,7 @@ def register_flax_serialization() -> None:
   serialization.register_serialization_state(
     NonFiniteRecord, to_state, from_state, override=True
   )
+  _REGISTERED.append(True)
 
 
 if "flax.serialization" in sys.modules:
@@ -135,6 +144,8 @@ def _leaves(grads: Any) -> list[Any]:
 
 def initial_record(params: Any) -> NonFiniteRecord:
   """A fresh record for gradients shaped like ``params`` (one entry per leaf)."""
+  if importlib.util.find_spec("flax") is not None:
+    register_flax_serialization()  # cheap once JAX is loaded (Flax's own import)
   paths = leaf_paths(params)
   n = len(paths)
   return NonFiniteRecord(

@@ -254,3 +254,263 @@ def test_a_none_gradient_that_the_inner_optimizer_takes_is_handled_exactly():
   assert updates["b"] is None
   np.testing.assert_array_equal(updates["w"], -2.0)
   assert int(ols.diagnostics(state)["good_steps"]) == 1
+
+
+# --------------------------------------------------------------------------
+# Leaf kinds through every public function that takes a tree.
+# --------------------------------------------------------------------------
+
+SCALE_8 = 8.0
+LEAF_KINDS = {
+  # kind: (make the leaf from float64 values, its dtype when floating)
+  "float16": (lambda v: jnp.asarray(v, jnp.float16), F16),
+  "bfloat16": (lambda v: jnp.asarray(v, jnp.bfloat16), BF16),
+  "float32": (lambda v: jnp.asarray(v, jnp.float32), F32),
+  "float64": (lambda v: jnp.asarray(v, jnp.float64), F64),
+  "numpy float32": (lambda v: np.asarray(v, np.float32), F32),
+  "zero-size": (lambda v: jnp.zeros((0,), jnp.float32), F32),
+  "int32": (lambda v: jnp.asarray(np.round(v), jnp.int32), None),
+  "None": (lambda v: None, None),
+  "python float": (lambda v: float(v[0]), "refused"),
+}
+GRAD = np.array([16.0, -24.0, 0.5])  # multiples of 8: exact in every dtype
+
+
+def _reference_unscaled(kind, leaf):
+  """What an unscale by 8 must give, computed in NumPy at the leaf's precision."""
+  _, dtype = LEAF_KINDS[kind]
+  if dtype is None:
+    return leaf  # passed through
+  values = np.asarray(leaf, np.float64)
+  wide = np.float64 if dtype == F64 else np.float32
+  return (values.astype(wide) * (1 / wide(SCALE_8))).astype(dtype)
+
+
+def _updates_of(tx):
+  def run(leaf):
+    params = {"leaf": leaf, "w": jnp.zeros(2)}
+    state = tx.init(params)
+    return tx.update({"leaf": leaf, "w": jnp.full(2, 16.0)}, state, params)[0]["leaf"]
+
+  return run
+
+
+#: Public entry points that unscale a tree, each ``leaf -> unscaled leaf``.
+UNSCALERS = {
+  "unscale": lambda leaf: ols.unscale({"leaf": leaf}, SCALE_8)["leaf"],
+  "dynamic_loss_scale(identity)": _updates_of(
+    ols.dynamic_loss_scale(optax.identity(), initial_scale=SCALE_8)
+  ),
+  "static_loss_scale(identity)": _updates_of(
+    ols.static_loss_scale(optax.identity(), SCALE_8)
+  ),
+  "LossScaleOptimizer.get_unscaled_gradients": lambda leaf: (
+    lambda opt: opt.get_unscaled_gradients({"leaf": leaf}, opt.init({"leaf": leaf}))[
+      "leaf"
+    ]
+  )(ols.LossScaleOptimizer("sgd", initial_scale=SCALE_8)),
+  "DynamicLossScale.unscale": lambda leaf: ols.DynamicLossScale(SCALE_8).unscale(
+    {"leaf": leaf}
+  )["leaf"],
+  "DynamicLossScale.unscale_and_update": lambda leaf: ols.DynamicLossScale(
+    SCALE_8
+  ).unscale_and_update({"leaf": leaf})[0]["leaf"],
+}
+
+
+@pytest.mark.parametrize("entry", UNSCALERS)
+@pytest.mark.parametrize("kind", LEAF_KINDS)
+def test_every_leaf_kind_is_unscaled_exactly_or_refused_by_name(entry, kind):
+  make, dtype = LEAF_KINDS[kind]
+  with x64():
+    leaf = make(GRAD * SCALE_8)
+    if dtype == "refused":
+      with pytest.raises(ValueError, match=r"\['leaf'\].*not an array"):
+        UNSCALERS[entry](leaf)
+      return
+    got = UNSCALERS[entry](leaf)
+    if leaf is None:
+      assert got is None
+      return
+    assert jnp.asarray(got).dtype == jnp.asarray(leaf).dtype, (entry, kind)
+    want = _reference_unscaled(kind, leaf)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+#: Public entry points that check a tree, each ``leaf -> bool``.
+CHECKERS = {
+  "all_finite": lambda leaf: bool(ols.all_finite({"leaf": leaf})),
+  "check_checkpoint": lambda leaf: ols.check_checkpoint({"leaf": leaf}) is not None,
+  "LossScaleOptimizer.check_finite": lambda leaf: bool(
+    ols.LossScaleOptimizer.check_finite({"leaf": leaf})
+  ),
+  "DynamicLossScale.update": lambda leaf: bool(
+    ols.DynamicLossScale(SCALE_8).update({"leaf": leaf})[1]
+  ),
+}
+
+
+@pytest.mark.parametrize("entry", CHECKERS)
+@pytest.mark.parametrize("kind", LEAF_KINDS)
+def test_every_leaf_kind_is_checked_or_refused_by_name(entry, kind):
+  make, dtype = LEAF_KINDS[kind]
+  with x64():
+    if dtype == "refused":
+      if entry == "check_checkpoint":  # a saved step counter: not checked
+        assert CHECKERS[entry](make(GRAD))
+        return
+      with pytest.raises(ValueError, match=r"\['leaf'\].*not an array"):
+        CHECKERS[entry](make(GRAD))
+      return
+    assert CHECKERS[entry](make(GRAD)) is True
+    if dtype not in (None,) and kind != "zero-size":
+      bad = make(np.array([1.0, np.nan, 2.0]))
+      if entry == "check_checkpoint":
+        with pytest.raises(ValueError, match=r"\['leaf'\]: 1 NaN"):
+          CHECKERS[entry](bad)
+      else:
+        assert CHECKERS[entry](bad) is False, (entry, kind)
+
+
+@pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32", "float64"])
+def test_every_float_kind_of_loss_is_scaled_at_least_in_float32(kind):
+  make, dtype = LEAF_KINDS[kind]
+  with x64():
+    state = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=SCALE_8).init(
+      jnp.zeros(2)
+    )
+    loss = make(np.array(3.0)).reshape(())
+    got = ols.scale_loss(loss, state)
+    assert got.dtype == (F64 if dtype == F64 else F32)
+    assert float(got) == 24.0
+
+
+# --------------------------------------------------------------------------
+# States not made by this configuration.
+# --------------------------------------------------------------------------
+
+PARAMS = {"w": jnp.ones(3)}
+GRADS = {"w": jnp.full(3, 2.0)}
+MAKERS = {
+  "dynamic 2**20": lambda: ols.dynamic_loss_scale(
+    optax.sgd(0.1), initial_scale=2.0**20
+  ),
+  "dynamic, max 2**16": lambda: ols.dynamic_loss_scale(
+    optax.sgd(0.1), max_scale=2.0**16
+  ),
+  "static 4": lambda: ols.static_loss_scale(optax.sgd(0.1), 4.0),
+  "dynamic, record": lambda: ols.dynamic_loss_scale(
+    optax.sgd(0.1), track_nonfinite=True
+  ),
+  "dynamic(adam)": lambda: ols.dynamic_loss_scale(optax.adam(0.1)),
+  "LossScaleOptimizer(sgd)": lambda: ols.LossScaleOptimizer("sgd"),
+  "dynamic(MultiSteps)": lambda: ols.dynamic_loss_scale(
+    optax.MultiSteps(optax.sgd(0.1), 2)
+  ),
+}
+# (made by, loaded into): what the first update does (a callable checking the
+# new state), or an error fragment that says what to do.
+FOREIGN = [
+  ("dynamic 2**20", "dynamic, max 2**16", lambda s: float(s.loss_scale) == 2.0**16),
+  ("dynamic 2**20", "static 4", lambda s: float(s.loss_scale) == 4.0),
+  ("static 4", "dynamic 2**20", lambda s: float(s.loss_scale) == 4.0),
+  ("dynamic, record", "dynamic 2**20", lambda s: int(s.nonfinite.steps) == 0),
+  ("dynamic 2**20", "dynamic, record", "holds no non-finite record"),
+  ("dynamic(adam)", "dynamic 2**20", "not made by this loss scale's inner optimizer"),
+  ("dynamic 2**20", "dynamic(adam)", "not made by this loss scale's inner optimizer"),
+  ("LossScaleOptimizer(sgd)", "dynamic 2**20", "not made by this loss scale's inner"),
+  ("dynamic(MultiSteps)", "dynamic 2**20", "not made by this loss scale's inner"),
+]
+
+
+@pytest.mark.parametrize(
+  "made_by, loaded_into, expect", FOREIGN, ids=[f"{a} -> {b}" for a, b, _ in FOREIGN]
+)
+def test_a_state_from_another_configuration_comes_into_line_or_is_refused(
+  made_by, loaded_into, expect
+):
+  saved = MAKERS[made_by]().init(PARAMS)
+  # As Orbax restores it: the same pytree, into the other optimizer.
+  tx = MAKERS[loaded_into]()
+  if isinstance(expect, str):
+    with pytest.raises(ValueError, match=expect) as e:
+      jax.jit(tx.update)(GRADS, saved, PARAMS)
+    assert "another optimizer" in str(e.value) or "init" in str(e.value)
+  else:
+    _, state = jax.jit(tx.update)(GRADS, saved, PARAMS)
+    assert expect(state)
+
+
+def test_a_loss_scale_object_of_the_earlier_layout_unflattens():
+  # Earlier versions flattened a LossScale object into its five counters.
+  ls = ols.DynamicLossScale(2.0**7, growth_interval=3)
+  counters = [getattr(ls.counters, f) for f in ols.LossScaleState._fields[:5]]
+  old = type(ls).tree_unflatten(ls.config, counters)
+  assert old.config == ls.config and float(old()) == 2.0**7
+  assert jax.tree.leaves(old) == jax.tree.leaves(ls)
+  with pytest.raises(ValueError, match="one child"):
+    type(ls).tree_unflatten(ls.config, counters[:3])
+
+
+# --------------------------------------------------------------------------
+# The ways a program is set up: which modules, in which order.
+# --------------------------------------------------------------------------
+
+IMPORT_ORDERS = {
+  "record made before flax.serialization is imported": """
+import jax.numpy as jnp, optax, optax_lossscale as ols
+tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+state = tx.init({"w": jnp.ones(2)})
+from flax import serialization
+restored = serialization.from_bytes(state, serialization.to_bytes(state))
+assert type(restored.nonfinite).__name__ == "NonFiniteRecord"
+""",
+  "flax.serialization first": """
+from flax import serialization
+import jax.numpy as jnp, optax, optax_lossscale as ols
+tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+state = tx.init({"w": jnp.ones(2)})
+restored = serialization.from_bytes(state, serialization.to_bytes(state))
+assert restored.nonfinite is not None
+""",
+  "the porting package first": """
+import optax_lossscale.porting as porting
+import jax.numpy as jnp, optax, optax_lossscale as ols
+ls = porting.DynamicLossScale(8.0)
+assert float(ols.get_scale(ls)) == 8.0
+assert porting.LossScaleOptimizer is ols.LossScaleOptimizer
+""",
+  "a private porting module first": """
+from optax_lossscale.porting import _keras
+import optax_lossscale as ols
+assert _keras.LossScaleOptimizer is ols.LossScaleOptimizer
+""",
+  "the Flax helpers first": """
+import optax_lossscale.flax as olf
+import optax_lossscale as ols
+assert olf.LossScaleTrainState.create is not None and ols.get_scale is not None
+""",
+  "the guard and autocast alone": """
+from optax_lossscale import _guard, _autocast
+import jax.numpy as jnp
+_guard.check_checkpoint({"w": jnp.ones(2)})
+fast = _autocast.autocast(jnp.sum, compute_dtype=jnp.float16)
+assert float(fast(jnp.ones(3))) == 3.0
+""",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", IMPORT_ORDERS)
+def test_every_import_order_works(order):
+  import subprocess
+  import sys
+
+  pytest.importorskip("flax")
+  result = subprocess.run(
+    [sys.executable, "-c", IMPORT_ORDERS[order]],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]

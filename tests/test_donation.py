@@ -46,6 +46,18 @@ OPTIMIZERS = {
   "ExperimentalLossScaleOptimizer": lambda: ols.ExperimentalLossScaleOptimizer(
     "sgd", "dynamic"
   ),
+  "track_nonfinite": lambda: ols.dynamic_loss_scale(
+    optax.adam(1e-3), track_nonfinite=True
+  ),
+  "MultiSteps inside": lambda: ols.dynamic_loss_scale(
+    optax.MultiSteps(optax.sgd(0.1), 2)
+  ),
+  "stochastic_rounding": lambda: ols.dynamic_loss_scale(
+    optax.chain(optax.sgd(0.1), ols.stochastic_rounding(0))
+  ),
+  "kahan_summation": lambda: ols.dynamic_loss_scale(
+    optax.chain(optax.sgd(0.1), ols.kahan_summation())
+  ),
 }
 
 

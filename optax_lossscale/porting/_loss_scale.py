@@ -92,6 +92,14 @@ class LossScale:
 
   @classmethod
   def tree_unflatten(cls, config, children):
+    children = tuple(children)
+    if len(children) == len(_core.COUNTER_FIELDS):  # an earlier layout: the
+      children = (LossScaleState(*children),)  # five counters as its children
+    if len(children) != 1:
+      raise ValueError(
+        f"A loss scale's pytree has one child (its LossScaleState) or its "
+        f"{len(_core.COUNTER_FIELDS)} counters; got {len(children)} children."
+      )
     (state,) = children
     obj = object.__new__(cls)
     obj._config = config
