@@ -233,10 +233,17 @@ def test_a_float64_loss_is_scaled_in_float64():
 @pytest.mark.parametrize("with_params", [True, False], ids=["params", "no params"])
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 def test_a_none_gradient_for_a_parameter_is_named(wrapper, with_params):
-  tx = WRAPPERS[wrapper](optax.adam(1e-3))
   params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
-  state = tx.init(params)
   grads = {"w": jnp.ones(3), "b": None}
+  try:  # what optax's own Adam makes of it (older optax takes a None)
+    adam = optax.adam(1e-3)
+    adam.update(grads, adam.init(params), params)
+  except Exception:  # noqa: BLE001 - any failure: ours must name the leaf
+    pass
+  else:
+    pytest.skip(f"optax {optax.__version__}'s adam takes a None gradient")
+  tx = WRAPPERS[wrapper](optax.adam(1e-3))
+  state = tx.init(params)
   with pytest.raises(ValueError) as e:
     tx.update(grads, state, params if with_params else None)
   message = str(e.value)
