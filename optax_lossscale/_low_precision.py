@@ -156,15 +156,16 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
   integers, ``None``) keep their updates as they are.
 
   The random numbers: each ``update`` splits the state's key into the next
-  state's key and this step's key, and draws one random integer per entry
-  (``jax.random.bits``: 16 bits for bfloat16, 32 for float16) for each leaf
-  from this step's key folded in with the leaf's index in the flattened
-  update tree; :func:`round_to` adds it below the bits the dtype keeps and
-  truncates, one elementwise pass. The key is in the state, so a run resumed from a
+  state's key and this step's key; for each leaf, this step's key folded in
+  with the leaf's index in the flattened update tree keys Threefry-2x32
+  (JAX's PRNG hash) of each entry's row and column (``_rounding.draw``):
+  one random integer per entry, 16 bits for bfloat16, 32 for float16,
+  computed where it is used, so that no array of random numbers is stored.
+  :func:`round_to` adds it below the bits the dtype keeps and truncates, one
+  elementwise pass. The key is in the state, so a run resumed from a
   checkpoint repeats the same rounding, and under a loss scale a skipped
   step keeps it. Under ``jax.jit`` the numbers drawn for an array do not
-  depend on its sharding (JAX's ``jax_threefry_partitionable`` decides
-  which numbers they are); inside ``shard_map`` or ``pmap`` each device
+  depend on its sharding; inside ``shard_map`` or ``pmap`` each device
   would draw the same numbers for its own shard.
 
   Args:
@@ -246,12 +247,18 @@ def kahan_summation() -> optax.GradientTransformation:
   ``s = p + (u + c)``; the new parameter is ``s`` rounded to nearest in
   ``p``'s dtype, and the new compensation is ``s - new`` (exact in float32)
   in ``p``'s dtype: updates below half a unit in the last place add up in
-  ``c`` until they move the weight. ``p + c`` tracks the float32 sum of the
-  updates to the precision of ``c``, which is ``p``'s dtype: 8 significant
-  bits of the residual in bfloat16; in float16 a residual below its smallest
-  normal number 6.1e-5 (every residual of a weight below 0.125) is a
-  subnormal, with an absolute resolution of 6e-8. A weight that overflows
-  to ``±inf`` keeps a zero compensation. The update returned is float32,
+  ``c`` until they move the weight. ``c`` has ``p``'s precision, ``t``
+  significant bits (8 in bfloat16, 11 in float16; in float16 a residual
+  below 6.1e-5 is a subnormal, resolution 6e-8), and that is its limit:
+  while a weight does not move, ``c`` grows by ``u`` a step rounded to
+  ``t`` bits and stops at ``2**(floor(log2 |u|) + t + 1)``, where ``|u|`` is
+  below half its unit, so the weight moves only if ``|u|`` is at least
+  ``2**-(t + 2)`` of its spacing. In bfloat16 that is ``2**-10`` of the
+  spacing: 5000 updates of ``-2e-6`` leave a weight of 1.0 where it is,
+  with ``p + c = 0.99902`` where the sum is 0.99. In float16 it is
+  float32's own unit at the weight (an update below half of it is lost as
+  on a float32 weight). :func:`master_weights` has no such limit. A weight
+  that overflows to ``±inf`` keeps a zero compensation. The update returned is float32,
   and ``optax.apply_updates`` turns it into exactly the rounded value
   (:func:`exact_update` says when). Other leaves keep their updates as they
   are and have ``None`` compensation. Under a loss scale a skipped step

@@ -13,6 +13,7 @@ rounded value. The transformations of ``_low_precision`` are built on them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -27,8 +28,10 @@ __all__ = [
   "draw",
   "exact_update",
   "is_half",
+  "join_remainder",
   "random_bits_dtype",
   "round_to",
+  "split_remainder",
 ]
 
 _F32 = jnp.dtype(jnp.float32)
@@ -64,9 +67,58 @@ def random_bits_dtype(dtype: Any) -> jnp.dtype:
   return jnp.dtype(jnp.uint16 if jnp.dtype(dtype) == BF16 else jnp.uint32)
 
 
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(k0: Any, k1: Any, x0: jax.Array, x1: jax.Array) -> jax.Array:
+  """The first word of the Threefry-2x32 hash (20 rounds) of counter
+  ``(x0, x1)`` under key ``(k0, k1)``: JAX's own PRNG hash
+  (``jax.extend.random.threefry_2x32``), written out elementwise."""
+  u32 = np.uint32
+  ks = (k0, k1, k0 ^ k1 ^ u32(0x1BD11BDA))
+  x0, x1 = x0 + ks[0], x1 + ks[1]
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x0 = x0 + x1
+      x1 = x0 ^ ((x1 << u32(r)) | (x1 >> u32(32 - r)))
+    x0, x1 = x0 + ks[(i + 1) % 3], x1 + ks[(i + 2) % 3] + u32(i + 1)
+  return x0
+
+
 def draw(key: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
-  """One random integer per element for rounding to ``dtype`` (``jax.random.bits``)."""
-  return jax.random.bits(key, shape, random_bits_dtype(dtype))
+  """One random integer per element for rounding to ``dtype``.
+
+  Threefry-2x32 (:func:`_threefry2x32`) of each element's index, its row
+  in the leading axes and its column in the last one, keyed by ``key``
+  (a threefry key's own two words; a key of another PRNG implementation
+  draws two with ``jax.random.bits``); the top bits of the hash's first
+  word, of :func:`random_bits_dtype`. Elementwise on the indices, it fuses into the
+  rounding that reads it (``jax.random.bits`` of the whole shape is a loop
+  over stored arrays on XLA's CPU backend: BENCHMARKS.md, "bfloat16
+  parameters"), and an element's number does not depend on how the array
+  is sharded.
+
+  Raises:
+    ValueError: more than 2**32 - 1 rows or columns.
+  """
+  shape = tuple(shape)
+  rows = math.prod(shape[:-1])
+  if rows >= 2**32 or (shape and shape[-1] >= 2**32):
+    raise ValueError(
+      f"stochastic rounding indexes an array by 32-bit row and column; shape "
+      f"{shape} has more. Split the parameter."
+    )
+  words = jax.random.key_data(key).reshape(-1)
+  if words.shape != (2,):  # not a threefry key: two words drawn from it
+    words = jax.random.bits(key, (2,), _U32)
+  column = lax.broadcasted_iota(_U32, shape, len(shape) - 1) if shape else _U32.type(0)
+  row, stride = jnp.zeros(shape, _U32), 1
+  for axis in range(len(shape) - 2, -1, -1):
+    row = row + lax.broadcasted_iota(_U32, shape, axis) * np.uint32(stride)
+    stride *= shape[axis]
+  hashed = _threefry2x32(words[0], words[1], row, jnp.broadcast_to(column, shape))
+  out = random_bits_dtype(dtype)
+  return (hashed >> np.uint32(32 - 8 * out.itemsize)).astype(out)
 
 
 def _dropped(magnitude: jax.Array, dtype: Any) -> Any:
@@ -220,3 +272,34 @@ def exact_update(new: jax.Array, param: jax.Array) -> jax.Array:
   """
   new32, param32 = new.astype(_F32), param.astype(_F32)
   return jnp.where(new32 == param32, 0.0, new32 - param32)
+
+
+def split_remainder(master: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """A float32 array as ``(bfloat16 parameter, int16 remainder)``, exactly.
+
+  bfloat16 is the high half of a float32: the parameter is ``master``
+  rounded to nearest, ties away from zero (its high 16 bits plus the carry
+  of the low 16 bits' top bit; round-to-nearest-even differs only where the
+  low 16 bits are exactly ``0x8000``), and the remainder is what the low 16
+  bits then mean relative to it, in ``[-2**15, 2**15)``:
+  :func:`join_remainder` gives ``master`` back, bit for bit. NaN becomes
+  bfloat16 NaN with remainder 0; a float32 beyond bfloat16's largest finite
+  value by half a unit or more is ``±inf`` in the parameter (and still
+  exact in the join).
+  """
+  bits = lax.bitcast_convert_type(master, _U32)
+  high = (bits + np.uint32(0x8000)) >> np.uint32(16)
+  nan = (bits & _MAGNITUDE) > _INF
+  high = jnp.where(nan, (bits >> np.uint32(16)) | np.uint32(0x40), high)  # quiet
+  remainder = jnp.where(
+    nan, 0, bits.astype(jnp.int32) - (high << np.uint32(16)).astype(jnp.int32)
+  )
+  param = lax.bitcast_convert_type(high.astype(jnp.uint16), BF16)
+  return param, remainder.astype(jnp.int16)
+
+
+def join_remainder(param: jax.Array, remainder: jax.Array) -> jax.Array:
+  """The float32 master weight of a bfloat16 ``param`` and its int16 ``remainder``."""
+  high = lax.bitcast_convert_type(param, jnp.uint16).astype(_U32) << np.uint32(16)
+  bits = high + remainder.astype(jnp.int32).astype(_U32)  # modulo 2**32
+  return lax.bitcast_convert_type(bits, _F32)

@@ -20,7 +20,7 @@ import pytest
 import versions
 
 import optax_lossscale as ols
-from optax_lossscale._rounding import draw, exact_update, round_to
+from optax_lossscale._rounding import draw, exact_update, random_bits_dtype, round_to
 
 F32 = np.dtype(np.float32)
 BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
@@ -234,6 +234,62 @@ def test_round_to_is_unbiased(dtype):
     assert abs(float(round_to(jnp.float32(x), dtype)) - x) > bound
 
 
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_draw_is_jaxs_threefry_of_each_elements_row_and_column(dtype):
+  from jax.extend.random import threefry_2x32
+
+  key = jax.random.key(3)
+  shape = (3, 5, 7)
+  got = np.asarray(draw(key, shape, dtype))
+  words = jax.random.key_data(key)
+  index = np.arange(105, dtype=np.uint32).reshape(shape)
+  counts = np.concatenate([(index // 7).ravel(), (index % 7).ravel()])
+  first = np.asarray(threefry_2x32(words, counts))[:105].reshape(shape)
+  width = 8 * np.dtype(got.dtype).itemsize
+  np.testing.assert_array_equal(got, (first >> (32 - width)).astype(got.dtype))
+  assert draw(key, (), dtype).shape == ()
+  with pytest.raises(ValueError, match="32-bit row and column"):
+    jax.eval_shape(lambda: draw(key, (2**16, 2**16, 1), dtype))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_draw_is_uniform_and_neighbours_are_uncorrelated(dtype):
+  bits = np.asarray(draw(jax.random.key(5), (512, 512), dtype)).astype(np.float64)
+  width = 8 * np.dtype(random_bits_dtype(dtype)).itemsize
+  n = bits.size
+  for part in (np.floor(bits / 2 ** (width - 8)), bits % 256):  # top and low byte
+    counts = np.bincount(part.astype(np.int64).ravel(), minlength=256)
+    chi2 = ((counts - n / 256) ** 2 / (n / 256)).sum()
+    assert chi2 < 255 + 6 * np.sqrt(2 * 255), chi2  # 255 degrees of freedom
+  u = bits / 2.0**width - 0.5
+  for a, b in ((u[:, 1:], u[:, :-1]), (u[1:], u[:-1])):  # along rows, columns
+    assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 5 / np.sqrt(a.size)
+
+
+@pytest.mark.standard_promotion
+def test_stochastic_rounding_reads_no_more_bytes_than_rounding_to_nearest():
+  """The random numbers are computed where they are used: XLA's cost
+  analysis counts the same bytes for the update step with and without."""
+  params = {"w": jnp.ones((256, 1024), BF16)}
+  grads = {"w": jnp.full((256, 1024), 1e-3, BF16)}
+  adam = optax.adam(1e-3)
+
+  def cost(tx, state):
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    compiled = jax.jit(step).lower(params, state, grads).compile()
+    analysis = compiled.cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["bytes accessed"]
+
+  moments = adam.init(jax.tree.map(lambda p: p.astype(F32), params))
+  nearest = cost(adam, moments)
+  rounding = ols.stochastic_rounding(0)
+  stochastic = cost(optax.chain(adam, rounding), (moments, rounding.init(params)))
+  assert stochastic <= nearest + 4096, (stochastic, nearest)
+
+
 def test_round_to_refuses_bad_arguments():
   x = jnp.ones(3)
   with pytest.raises(ValueError, match="`x` must be a float32"):
@@ -407,6 +463,51 @@ def test_other_leaves_keep_their_updates():
 # --------------------------------------------------------------------------
 # Kahan summation.
 # --------------------------------------------------------------------------
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_kahans_limit_is_the_documented_one(dtype):
+  """While a weight does not move, its compensation (in the weight's dtype,
+  t significant bits) grows by u a step, rounded to t bits, and stops at
+  2**(floor(log2 |u|) + t + 1); the weight moves only if |u| reaches
+  2**-(t + 2) of its spacing. For a bfloat16 weight at 1024 (spacing 8
+  below it): 2**-7. For a float16 one at 1024 (spacing 0.5 below it):
+  2**-14, float32's own unit there: the sum is float32, and below half of
+  that unit an update is lost as it is on a float32 weight."""
+  t = PRECISION[dtype]
+  weight = 1024.0
+  spacing = weight * 2.0**-t  # below a power of two
+  threshold = spacing * 2.0 ** -(t + 2)
+  tx = optax.chain(optax.sgd(1.0), ols.kahan_summation())
+
+  @jax.jit
+  def run(u):
+    params = {"w": jnp.full(1, weight, dtype)}
+
+    def step(carry, _):
+      p, s = carry
+      up, s = tx.update({"w": u}, s, p)
+      return (optax.apply_updates(p, up), s), None
+
+    (p, s), _ = jax.lax.scan(step, (params, tx.init(params)), None, length=3000)
+    return p["w"][0], s[1].compensation["w"][0]
+
+  if dtype == F16:
+    u = threshold * 0.45  # below half a float32 unit: lost, as in float32
+    w, c = run(jnp.full(1, u, F32))
+    assert float(w) == weight and float(c) == 0.0
+    assert np.float32(weight) - np.float32(u) == np.float32(weight)
+  else:
+    for fraction in (0.3, 0.6, 0.9, 0.97):
+      u = threshold * fraction
+      w, c = run(jnp.full(1, u, F32))  # sgd: w -= u
+      assert float(w) == weight  # never moves
+      assert float(c) == -(2.0 ** (np.floor(np.log2(u)) + t + 1))  # stalled there
+      assert 3000 * u > 4 * abs(float(c))  # far from the exact sum
+  for factor in (1.05, 2.0, 8.0) if dtype == BF16 else (2.0, 8.0):
+    w, c = run(jnp.full(1, threshold * factor, F32))
+    assert float(w) < weight  # moves
 
 
 @pytest.mark.standard_promotion

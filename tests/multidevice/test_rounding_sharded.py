@@ -10,8 +10,8 @@ on given gradients (no reduction across devices, so nothing but the
 rounding could differ), a non-finite step included, under ``jax.jit``: the
 parameters and the whole state must equal an unsharded run's, bit for bit,
 with ``jax_threefry_partitionable`` on and off. Which random numbers are
-drawn depends on that flag (JAX >= 0.5 turns it on by default), not on the
-sharding.
+drawn depends on that flag (JAX >= 0.5 turns it on by default: it changes
+the keys ``jax.random.split`` and ``fold_in`` make), not on the sharding.
 """
 
 import functools
