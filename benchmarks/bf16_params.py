@@ -58,6 +58,8 @@ CONFIGS = {
   "bf16 Kahan": (BF16, "kahan", F32, F32),
   "bf16 Kahan, bf16 mu": (BF16, "kahan", BF16, F32),
   "bf16 stochastic, bf16 moments": (BF16, "stochastic", BF16, BF16),
+  "bf16 remainder": (BF16, "remainder", F32, F32),
+  "bf16 float32 copy": (BF16, "float32", F32, F32),
 }
 
 
@@ -70,6 +72,9 @@ def optimizer(name, lr, seed, params):
   """
   _, rounding, mu, nu = CONFIGS[name]
   adam = optax.adam(lr, mu_dtype=mu)
+  if rounding in ("remainder", "float32"):  # the moments on the float32 masters
+    tx = ols.master_weights(adam, store=rounding)
+    return tx, tx.init(params)
   adam_state = adam.init(jax.tree.map(lambda p: p.astype(nu), params))
   if rounding is None:
     return adam, adam_state

@@ -28,6 +28,10 @@ from optax_lossscale._low_precision import (
 )
 from optax_lossscale._low_precision import kahan_summation as kahan_summation
 from optax_lossscale._low_precision import stochastic_rounding as stochastic_rounding
+from optax_lossscale._master import MasterWeights as MasterWeights
+from optax_lossscale._master import MasterWeightsState as MasterWeightsState
+from optax_lossscale._master import get_master_weights as get_master_weights
+from optax_lossscale._master import master_weights as master_weights
 from optax_lossscale._overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._policy import Policy as Policy
 from optax_lossscale._policy import default_half_dtype as default_half_dtype
@@ -82,6 +86,8 @@ __all__ = (
   "LossScaleOptimizer",
   "LeafReport",
   "LossScaleState",
+  "MasterWeights",
+  "MasterWeightsState",
   "NoOpLossScale",
   "NonFiniteRecord",
   "NonFiniteReport",
@@ -104,9 +110,11 @@ __all__ = (
   "find_loss_scale_state",
   "get_ema_params",
   "get_learning_rate",
+  "get_master_weights",
   "get_policy",
   "get_scale",
   "kahan_summation",
+  "master_weights",
   "nonfinite_report",
   "scale_loss",
   "set_learning_rate",

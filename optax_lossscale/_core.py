@@ -120,7 +120,12 @@ def unscale(tree: Any, loss_scale: Any) -> Any:
 
 
 def unscale_tree(
-  tree: Any, loss_scale: Any, factor: float | None = None, *, keep: Any = None
+  tree: Any,
+  loss_scale: Any,
+  factor: float | None = None,
+  *,
+  keep: Any = None,
+  float32: bool = False,
 ) -> Any:
   """:func:`unscale` of a tree whose leaves are known to be arrays.
 
@@ -128,20 +133,25 @@ def unscale_tree(
   ``loss_scale_factor``) unless it is ``None``. ``keep``, a tree of bools
   like ``tree`` (or ``None``), marks leaves passed through as they are:
   Flax's float8 overwrite leaves, which hold new values, not gradients.
+  With ``float32``, half-precision leaves come back in float32, as they
+  were divided, instead of cast back to their dtype (for an inner
+  optimizer that keeps float32 master weights).
   """
 
   def divide(x, by):
-    # In float32 for half leaves (cast back), in the leaf's own precision
-    # otherwise: a float64 leaf gets a float64 reciprocal, not a float32 one.
+    # In float32 for half leaves, in the leaf's own precision otherwise: a
+    # float64 leaf gets a float64 reciprocal, not a float32 one.
     wide = _tree.wide_dtype(x.dtype)
     inv = 1.0 / jnp.asarray(by, _F32).astype(jnp.finfo(wide).dtype)
-    return (x.astype(wide) * inv.astype(wide)).astype(x.dtype)
+    return x.astype(wide) * inv.astype(wide)
 
   def one(x, kept=False):
     if kept or not _tree.is_float_array(x):
       return x
-    x = divide(x, loss_scale)
-    return x if factor is None else divide(x, factor)
+    out = divide(x, loss_scale)
+    if factor is not None:  # after a cast back to x's dtype, as Keras does
+      out = divide(out if float32 else out.astype(x.dtype), factor)
+    return out if float32 else out.astype(x.dtype)
 
   if keep is None:
     return jax.tree.map(one, tree)

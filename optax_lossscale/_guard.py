@@ -18,12 +18,12 @@ import numpy as np
 
 from optax_lossscale import _finite, _tree
 
-__all__ = ["check_checkpoint"]
+__all__ = ["check_checkpoint", "nonfinite_leaves"]
 
 _all_finite = jax.jit(_finite.leaves_finite)
 
 
-def _floating_leaves(tree: Any) -> list[tuple[str, jax.Array]]:
+def _floating_leaves(tree: Any, caller: str = "check_checkpoint") -> list:
   """``(path, array)`` of the floating array leaves (``nnx`` variables unwrapped)."""
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree.is_variable)[0]
   out = []
@@ -31,8 +31,8 @@ def _floating_leaves(tree: Any) -> list[tuple[str, jax.Array]]:
     x = _tree.unwrap(x)
     if isinstance(x, jax.core.Tracer):
       raise ValueError(
-        "check_checkpoint reads the values on the host: call it outside "
-        "jax.jit (before saving), not inside a traced function."
+        f"{caller} reads the values on the host: call it outside jax.jit, "
+        "not inside a traced function."
       )
     if _tree.is_float_array(x):
       out.append((_tree.keystr(path), x))
@@ -86,17 +86,32 @@ def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
     ValueError: Refusing to save the state: non-finite values at ['mu']['w']: 1
     NaN (of 2 entries). ...
   """
-  leaves = _floating_leaves(tree)
-  if bool(_all_finite([x for _, x in leaves])):
+  bad = nonfinite_leaves(tree)
+  if not bad:
     return tree
+  raise ValueError(
+    f"Refusing to save the {what}: non-finite values at {'; '.join(bad)}. "
+    "Resuming from it would carry them on; save an earlier state, or find "
+    "the step that produced them (ols.diagnostics, check_skipped_steps)."
+  )
+
+
+def nonfinite_leaves(tree: Any, caller: str = "check_checkpoint") -> list[str]:
+  """``'path: 1 NaN (of 2 entries)'`` for each floating leaf that is not finite.
+
+  The finite check first (one fused reduction, jitted); only when it fails
+  are the leaves fetched and counted on the host. Empty when all is finite.
+
+  Raises:
+    ValueError: called on traced values (``caller`` names the function).
+  """
+  leaves = _floating_leaves(tree, caller)
+  if bool(_all_finite([x for _, x in leaves])):
+    return []
   bad = []
   for path, x in leaves:
     nans, infs = _counts(x)
     if nans or infs:
       kinds = [f"{n} {k}" for n, k in ((nans, "NaN"), (infs, "inf")) if n]
       bad.append(f"{path}: {' and '.join(kinds)} (of {x.size} entries)")
-  raise ValueError(
-    f"Refusing to save the {what}: non-finite values at {'; '.join(bad)}. "
-    "Resuming from it would carry them on; save an earlier state, or find "
-    "the step that produced them (ols.diagnostics, check_skipped_steps)."
-  )
+  return bad

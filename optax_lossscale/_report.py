@@ -15,7 +15,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_lossscale import _config, _finite, _state, _telemetry, _tree, _validate
+from optax_lossscale import (
+  _config,
+  _finite,
+  _guard,
+  _state,
+  _telemetry,
+  _tree,
+  _validate,
+)
 
 __all__ = [
   "LeafReport",
@@ -35,6 +43,7 @@ def check_skipped_steps(
   *,
   max_consecutive_skips: int = 32,
   min_scale: float = _config.DEFAULT_MIN_SCALE,
+  params: Any = None,
 ) -> None:
   """Host-side: raises once ``max_consecutive_skips`` steps in a row were skipped.
 
@@ -50,6 +59,10 @@ def check_skipped_steps(
       dict :func:`diagnostics` returned (fetched or not).
     max_consecutive_skips: the limit, >= 1.
     min_scale: the floor the loss scale was built with (for the message).
+    params: optional, the parameters: when they hold NaN or inf, an update
+      that was applied (its gradients finite) made them so, and the message
+      says that the optimizer's update was not finite (Adam's moments in
+      float16, say), not that the model is; read only when raising.
 
   Raises:
     NonFiniteStepsError: the limit was reached; the message says whether the
@@ -88,6 +101,20 @@ def check_skipped_steps(
       f"The loss scale is {scale:g} and still backing off: the gradients "
       "overflow at every scale tried so far. If this persists down to "
       "min_scale, the model itself produces NaN or inf."
+    )
+  bad_params = (
+    [] if params is None else _guard.nonfinite_leaves(params, "check_skipped_steps")
+  )
+  if bad_params:
+    cause = (
+      f"The parameters hold NaN or inf ({'; '.join(bad_params[:4])}): an update "
+      "that was applied made them so, and since a step is applied only when "
+      "its gradients are finite, the loss was finite but the optimizer's "
+      "update was not. Look at the optimizer, not the model: a state in "
+      "float16 (Adam's second moment underflows to 0 and its eps=1e-8 is 0 "
+      "in float16, so the update divides by zero; g**2 overflows above 256) "
+      "or a learning rate that diverges. Keep the optimizer in float32: "
+      "dynamic_loss_scale(master_weights(optax.adam(...), store='float32'))."
     )
   # The record (when kept) is fetched only now, for the message.
   record = _record(opt_state_or_diagnostics, required=False) if given_state else None

@@ -24,6 +24,7 @@ __all__ = [
   "get_scale",
   "is_loss_scale_state",
   "optimizer_state",
+  "wants_float32_gradients",
 ]
 
 
@@ -37,6 +38,18 @@ def optimizer_state(obj: Any) -> Any:
     return obj
   inner = getattr(obj, "opt_state", None)
   return obj if inner is None else inner
+
+
+def wants_float32_gradients(opt_state: Any) -> bool:
+  """Whether ``opt_state`` holds, at any depth, a state whose class says
+  ``float32_gradients = True`` (``master_weights``'): the gradients are
+  then unscaled into float32 for it, not cast back to their dtype. A fact
+  of the state's structure, known when tracing."""
+  return bool(
+    _tree.find_all(
+      opt_state, lambda x: getattr(type(x), "float32_gradients", 0) is True
+    )
+  )
 
 
 def is_loss_scale_state(x: Any) -> bool:

@@ -206,11 +206,15 @@ def loss_scale_transformation(
         regular_params,
       )
 
+    # An inner state that keeps float32 master weights (master_weights, at
+    # any depth) takes the gradients unscaled in float32.
+    float32 = _state.wants_float32_gradients(state.inner_state)
+
     def as_checked(tree):  # float8 meta values as the floats they hold
       return tree if mask is None else _overwrite.as_floats(tree)
 
     def unscaled(g):
-      return _core.unscale_tree(g, scale, factor, keep=mask)
+      return _core.unscale_tree(g, scale, factor, keep=mask, float32=float32)
 
     grads = updates if config.noop else unscaled(updates)
     if config.noop and not track_nonfinite:

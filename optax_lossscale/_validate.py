@@ -22,6 +22,7 @@ __all__ = [
   "as_float",
   "as_int",
   "check_scale",
+  "choice",
   "float_in",
   "int_in",
   "optional_int_at_least",
@@ -126,3 +127,12 @@ def check_scale(name: str, value: Any) -> float:
       f"are then normal float32 numbers), got {value!r}."
     )
   return out
+
+
+def choice(name: str, value: Any, options: tuple[str, ...]) -> str:
+  """``value``, one of the strings ``options`` exactly (no other spelling)."""
+  if not isinstance(value, str) or value not in options:
+    raise ValueError(
+      f"`{name}` must be one of {', '.join(repr(o) for o in options)}; got {value!r}."
+    )
+  return value

@@ -26,7 +26,40 @@ from optax_lossscale import (
   _tree,
   _validate,
 )
+from optax_lossscale._low_precision import KahanSummationState, StochasticRoundingState
+from optax_lossscale._master import MasterWeights, master_weights
 from optax_lossscale.porting import _ema, _loss_scale, _optimizers
+
+
+def _rounding_stays_last(
+  inner: optax.GradientTransformation, after: list[str]
+) -> optax.GradientTransformationExtraArgs:
+  """``inner``, whose ``init`` refuses a rounding transformation in its
+  state: what the facade adds after ``inner`` (``after``: weight decay, the
+  EMA) would change the updates after they were rounded."""
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    state = inner.init(params)
+    found = _tree.find_all(
+      state, lambda x: isinstance(x, (StochasticRoundingState, KahanSummationState))
+    )
+    if found:
+      kind = type(found[0][1]).__name__.removesuffix("State")
+      raise ValueError(
+        f"LossScaleOptimizer({', '.join(after)}) would act after the inner "
+        f"optimizer's rounding ({kind}), which must come last: the decay or "
+        "average would be rounded away or break what the rounding keeps. "
+        "Pass master_weights(<the inner optimizer without the rounding>) "
+        "instead (weight decay and EMA then act on the float32 master "
+        "weights, before rounding), or put them in your chain before the "
+        "rounding yourself (decoupled decay for Adam: optax.adamw(..., "
+        "weight_decay=...)) and leave these arguments out."
+      )
+    return state
+
+  return optax.GradientTransformationExtraArgs(init_fn, inner.update)
+
 
 #: Keras' default ``dynamic_growth_steps``.
 DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
@@ -44,6 +77,16 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   optimizer, plus Keras' decoupled ``weight_decay``; updates the average of
   the weights (``use_ema``); adjusts the scale. Clipping, decay and
   accumulation all see *unscaled* gradients.
+
+  Rounding stays last. An inner optimizer made by :func:`master_weights`
+  gets all of that inside it, on the float32 master weights, before they
+  are rounded to the parameters' dtype: ``LossScaleOptimizer(
+  master_weights(inner), weight_decay=...)`` is ``dynamic_loss_scale(
+  master_weights(<inner with decay, EMA, clipping, accumulation>))``. An
+  inner optimizer that rounds in a chain (:func:`stochastic_rounding`,
+  :func:`kahan_summation`) cannot be reordered: with ``weight_decay`` or
+  ``use_ema``, which would act after its rounding, ``init`` raises a
+  ``ValueError`` that says how to compose them.
 
   Since optax transformations are stateless objects, the Keras attributes that
   live in variables are methods that take the optimizer state:
@@ -194,8 +237,17 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "gradient_accumulation_steps", gradient_accumulation_steps, 2
     )
 
-    # Build the chain, innermost first (the order is the docstring's).
-    body = inner
+    # Build the chain, innermost first (the order is the docstring's), inside
+    # master_weights if the inner optimizer is one: rounding stays last.
+    store = inner.store if isinstance(inner, MasterWeights) else None
+    body = inner.inner if store is not None else inner
+    after = [
+      f"{k}={v!r}"
+      for k, v in (("weight_decay", weight_decay), ("use_ema", use_ema))
+      if v
+    ]
+    if after:
+      body = _rounding_stays_last(body, after)
     if weight_decay:
       body = _optimizers.decoupled_weight_decay(body, weight_decay)
     if use_ema:
@@ -213,6 +265,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       body = optax.MultiSteps(
         body, gradient_accumulation_steps
       ).gradient_transformation()
+    if store is not None:
+      body = master_weights(body, store=store)
     # The factor is divided out with the loss scale, before the finite check,
     # so the check sees what is applied.
     tx = _transform.loss_scale_transformation(
@@ -314,7 +368,9 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     """Gradients of :meth:`scale_loss`'s loss divided back, as ``update`` does.
 
     Flax's float8 overwrite leaves (new values, not gradients) are returned
-    as they are, as ``update`` takes them.
+    as they are, as ``update`` takes them; with a :func:`master_weights`
+    inner optimizer, half-precision gradients come back in float32, as
+    ``update`` hands them to it.
     """
     _tree.array_leaves(grads)
     return _core.unscale_tree(
@@ -322,6 +378,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       _state.get_scale(state),
       self._loss_scale_factor,
       keep=_overwrite.mask_in(state),
+      float32=_state.wants_float32_gradients(state),
     )
 
   @staticmethod

@@ -45,8 +45,13 @@ _DEFAULT_LEARNING_RATE = {"sgd": 0.01}
 
 
 def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
-  """(the optax transformation, what ``get_config`` reports for it)."""
-  if isinstance(inner, optax.GradientTransformation):
+  """(the optax transformation, what ``get_config`` reports for it).
+
+  Anything with callable ``init`` and ``update`` is a transformation, as
+  for the loss scales (``optax.MultiSteps`` is a class of its own)."""
+  if not isinstance(inner, (str, Mapping)) and all(
+    callable(getattr(inner, name, None)) for name in ("init", "update")
+  ):
     return inner, inner
   if isinstance(inner, str):
     inner = {"class_name": inner, "config": {}}
