@@ -177,7 +177,7 @@ def master_weights(
         )
       if store == "float32":
         return jnp.array(p, _F32, copy=True)
-      return jnp.zeros(p.shape, jnp.int16)
+      return jnp.zeros_like(p, jnp.int16)  # in p's sharding
 
     master = jax.tree_util.tree_map_with_path(kept, params)
     masters = jax.tree.map(
