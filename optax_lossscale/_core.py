@@ -143,7 +143,7 @@ def unscale_tree(
     # float64 leaf gets a float64 reciprocal, not a float32 one.
     wide = _tree.wide_dtype(x.dtype)
     inv = 1.0 / jnp.asarray(by, _F32).astype(jnp.finfo(wide).dtype)
-    return x.astype(wide) * inv.astype(wide)
+    return _tree.widen(x) * inv.astype(wide)
 
   def one(x, kept=False):
     if kept or not _tree.is_float_array(x):

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 __all__ = [
   "array_leaves",
@@ -28,6 +29,7 @@ __all__ = [
   "unwrap",
   "unwrap_variables",
   "wide_dtype",
+  "widen",
 ]
 
 
@@ -67,6 +69,37 @@ def wide_dtype(dtype: Any) -> Any:
   stays complex). Arithmetic on a leaf is never less precise than the leaf."""
   dtype = jnp.dtype(dtype)
   return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else dtype
+
+
+def widen(x: Any) -> jax.Array:
+  """``x`` in :func:`wide_dtype`, exactly the values ``x`` holds.
+
+  bfloat16 and float16 are widened on their bits (a shift, and for float16
+  a rebias), so no compiler rewrite can put in their place the more precise
+  values a half-precision computation in the same program had before it
+  rounded (XLA's "excess precision", allowed by default, drops a
+  float32-to-half-to-float32 round trip where its fusions fall): the result
+  is the leaf's, however the program was fused or partitioned.
+  """
+  x = jnp.asarray(x)
+  if x.dtype == jnp.bfloat16:
+    bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    return lax.bitcast_convert_type(bits << np.uint32(16), jnp.float32)
+  if x.dtype != jnp.float16:
+    return x.astype(wide_dtype(x.dtype))
+  bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+  negative = (bits >> np.uint32(15)) == 1
+  exponent = (bits >> np.uint32(10)) & np.uint32(0x1F)
+  fraction = bits & np.uint32(0x3FF)
+  biased = jnp.where(exponent == 0x1F, np.uint32(0xFF), exponent + np.uint32(112))
+  magnitude = lax.bitcast_convert_type(
+    (biased << np.uint32(23)) | (fraction << np.uint32(13)), jnp.float32
+  )
+  # a subnormal (or zero) is its fraction times 2**-24, exact in float32
+  magnitude = jnp.where(
+    exponent == 0, fraction.astype(jnp.float32) * np.float32(2.0**-24), magnitude
+  )
+  return jnp.where(negative, -magnitude, magnitude)
 
 
 def keystr(path: Any) -> str:
