@@ -57,7 +57,7 @@ class _Rules:
       "compute_dtype",
       half,
       allowed=(jnp.float16, jnp.bfloat16),
-      hint="A float8 compute dtype would cast every operation to float8: for "
+      float8_hint="A float8 compute dtype would cast every operation to float8: for "
       "float8 matmuls keep a 16-bit compute dtype and pass matmul='float8' (or "
       "an ols.Float8Matmul), e.g. autocast(f, compute_dtype=jnp.bfloat16, "
       "matmul='float8').",

@@ -76,7 +76,7 @@ def float_dtype(
   *,
   allowed: Iterable[Any] | None = None,
   backend_name: str | None = None,
-  hint: str = "",
+  float8_hint: str = "",
 ) -> jnp.dtype:
   """``value`` as a floating dtype; a ``ValueError`` naming ``name`` otherwise.
 
@@ -87,8 +87,8 @@ def float_dtype(
       :data:`NAMES` (case-insensitive), or ``"half"``.
     allowed: the dtypes the argument accepts (default: every floating one).
     backend_name: the backend ``"half"`` is resolved for.
-    hint: what to do instead, appended to the message for a dtype that is
-      not ``allowed``.
+    float8_hint: what to do instead, appended to the message for a float8
+      dtype that is not ``allowed``.
 
   Raises:
     ValueError: ``None``, a Python type (``float``), a string that is not a
@@ -120,6 +120,7 @@ def float_dtype(
     raise ValueError(f"`{name}` must be a floating dtype, got {dtype.name}.")
   allowed = None if allowed is None else [jnp.dtype(a) for a in allowed]
   if allowed is not None and dtype not in allowed:
+    hint = float8_hint if float8_hint and jnp.finfo(dtype).bits == 8 else ""
     raise ValueError(
       f"`{name}` must be one of {', '.join(a.name for a in allowed)}; got "
       f"{dtype.name}.{' ' + hint if hint else ''}"

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale import _tree
+from optax_lossscale import _state, _tree
 from optax_lossscale._rounding import draw, exact_update, is_half, round_to
 
 __all__ = [
@@ -59,14 +59,18 @@ def _zip_leaves(name: str, updates: Any, params: Any, *others: Any) -> tuple:
       shape.
   """
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(updates, is_leaf=_is_none)
-  try:
-    columns = [treedef.flatten_up_to(t) for t in (params, *others)]
-  except (ValueError, TypeError):
-    raise ValueError(
-      f"{name}: the parameters' tree does not match the updates'.\n"
-      f"  updates: {treedef}\n"
-      f"  params:  {jax.tree.structure(params)}"
-    ) from None
+  columns = []
+  for i, tree in enumerate((params, *others)):
+    try:
+      columns.append(treedef.flatten_up_to(tree))
+    except (ValueError, TypeError):
+      what = "parameters'" if i == 0 else "state's"
+      hint = "" if i == 0 else " It was made for other parameters: init it on these."
+      raise ValueError(
+        f"{name}: the {what} tree does not match the updates'.{hint}\n"
+        f"  updates: {_tree.short(treedef)}\n"
+        f"  {'params' if i == 0 else 'state'}:  {_tree.short(jax.tree.structure(tree))}"
+      ) from None
   paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in with_paths]
   rows = list(zip([u for _, u in with_paths], *columns, strict=True))
   for path, (u, p, *_) in zip(paths, rows, strict=True):
@@ -200,6 +204,15 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     _needs_params("stochastic_rounding", params)
+    _state.check_state_type("stochastic_rounding", state, StochasticRoundingState)
+    key_data = state.rounding_key
+    if getattr(key_data, "shape", None) != data.shape or key_data.dtype != data.dtype:
+      raise ValueError(
+        f"stochastic_rounding: the state's key is {getattr(key_data, 'dtype', None)}"
+        f"{list(getattr(key_data, 'shape', []))}, this transformation's key data "
+        f"is {data.dtype}{list(data.shape)}: the state was made with a key of "
+        "another PRNG implementation. Init it with this transformation."
+      )
     treedef, _, rows = _zip_leaves("stochastic_rounding", updates, params)
     typed = jax.random.wrap_key_data(state.rounding_key, impl=impl)
     next_key, step_key = jax.random.split(typed)
@@ -208,7 +221,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
       if not (is_half(p) and _tree.is_float_array(u)):
         return u
       bits = draw(jax.random.fold_in(step_key, i), p.shape, p.dtype)
-      new = round_to(p.astype(_F32) + u.astype(_F32), p.dtype, bits)
+      new = round_to(_tree.widen(p) + _tree.widen(u).astype(_F32), p.dtype, bits)
       return exact_update(new, p)
 
     new_updates = [one(i, u, p) for i, (u, p) in enumerate(rows)]
@@ -295,6 +308,7 @@ def kahan_summation() -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     _needs_params("kahan_summation", params)
+    _state.check_state_type("kahan_summation", state, KahanSummationState)
     treedef, paths, rows = _zip_leaves(
       "kahan_summation", updates, params, state.compensation
     )
@@ -315,7 +329,7 @@ def kahan_summation() -> optax.GradientTransformation:
         new_updates.append(u)
         new_compensation.append(c)
         continue
-      s = p.astype(_F32) + (u.astype(_F32) + c.astype(_F32))
+      s = _tree.widen(p) + (_tree.widen(u).astype(_F32) + _tree.widen(c))
       new = round_to(s, p.dtype)  # float32 values of p's dtype
       lost = jnp.where(jnp.isinf(new), 0.0, s - new)
       new_updates.append(exact_update(new, p))

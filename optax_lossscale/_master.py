@@ -81,6 +81,46 @@ class MasterWeights(optax.GradientTransformationExtraArgs):
     return (functools.partial(master_weights, store=self.store), (self.inner,))
 
 
+def _kept_dtype(path: str, p: Any, store: str, refuse: bool = True) -> Any:
+  """What the state keeps for parameter ``p``: ``None``, int16 or float32
+  (``None`` too for a float16 parameter and ``"remainder"`` if not ``refuse``).
+
+  Raises:
+    ValueError: a float16 parameter with ``store="remainder"`` and ``refuse``.
+  """
+  if not _rounding.is_half(p):
+    return None
+  if store == "float32":
+    return _F32
+  if p.dtype != _rounding.BF16:
+    if not refuse:
+      return None
+    raise ValueError(
+      f"master_weights(store='remainder') keeps the low 16 bits of a float32, "
+      f"which make a float32 with a bfloat16 only; the parameter at "
+      f"{path} is {p.dtype}. Use store='float32' (a float32 "
+      "copy) for float16 parameters."
+    )
+  return jnp.dtype(jnp.int16)
+
+
+def _check_kept(where: str, path: str, p: Any, kept: Any, store: str) -> None:
+  """``kept`` is what ``store`` keeps for parameter ``p``, or a ValueError
+  (for a float16 parameter and ``"remainder"``, :func:`master_weights`'
+  refusal where it is the transformation's)."""
+  want = _kept_dtype(path, p, store, refuse=where == "master_weights")
+  got = getattr(kept, "dtype", None)
+  if got != want or (want is not None and kept.shape != p.shape):
+    kind = "" if p is None else f"{getattr(p, 'dtype', type(p).__name__)}"
+    shape = list(getattr(p, "shape", []))
+    raise ValueError(
+      f"{where}: the state holds {got}{list(getattr(kept, 'shape', []))} at "
+      f"{path} for a {kind}{shape} parameter: it was made for "
+      "other parameters (or with another store). Pass the parameters it was "
+      "made for, or init it on these."
+    )
+
+
 def _master_of(p: Any, kept: Any) -> Any:
   """The float32 master weight of parameter ``p``: ``kept`` itself (a copy),
   ``p`` joined with ``kept`` (an int16 remainder), or ``p`` (not half)."""
@@ -117,9 +157,11 @@ def master_weights(
   integer and ``None`` leaves pass. A step that ``optax.apply_updates``
   cannot land exactly on the rounded value (one that shrinks a weight's
   magnitude more than 2**15-fold without making it zero:
-  ``exact_update``'s one exception) leaves the master weight at the value
-  the parameter takes (it moves by less than that weight's own resolution),
-  so that parameter and state always make the master.
+  ``exact_update``'s one exception) leaves, with ``"remainder"``, the master
+  weight at the value the parameter takes (it moves by less than that
+  weight's own resolution), so that parameter and state always make the
+  master; with ``"float32"`` the copy keeps the exact master and the
+  parameter is one unit of its dtype from it until the next step.
 
   Put it directly inside the loss scale, around the whole optimizer:
   ``dynamic_loss_scale(master_weights(optax.adamw(...)))``. The loss scale
@@ -166,15 +208,9 @@ def master_weights(
 
   def init_fn(params):
     def kept(path, p):
-      if not _rounding.is_half(p):
+      want = _kept_dtype(_tree.keystr(path), p, store)
+      if want is None:
         return None
-      if store == "remainder" and p.dtype != _rounding.BF16:
-        raise ValueError(
-          f"master_weights(store='remainder') keeps the low 16 bits of a float32, "
-          f"which make a float32 with a bfloat16 only; the parameter at "
-          f"{_tree.keystr(path)} is {p.dtype}. Use store='float32' (a float32 "
-          "copy) for float16 parameters."
-        )
       if store == "float32":
         return jnp.array(p, _F32, copy=True)
       return jnp.zeros_like(p, jnp.int16)  # in p's sharding
@@ -187,31 +223,28 @@ def master_weights(
 
   def update_fn(updates, state, params=None, **extra_args):
     _needs_params("master_weights", params)
+    _state.check_state_type("master_weights", state, MasterWeightsState)
     treedef, paths, rows = _zip_leaves("master_weights", updates, params, state.master)
     for path, (_, p, kept) in zip(paths, rows, strict=True):
-      want = (
-        None
-        if not _rounding.is_half(p)
-        else (_F32 if store == "float32" else jnp.dtype(jnp.int16))
-      )
-      got = getattr(kept, "dtype", None)
-      if got != want or (want is not None and kept.shape != p.shape):
-        raise ValueError(
-          f"master_weights: the state holds {got}{list(getattr(kept, 'shape', []))}"
-          f" at {path} for a {getattr(p, 'dtype', p)} parameter: it was made for "
-          "other parameters (or with another store). Init it on these parameters."
-        )
+      _check_kept("master_weights", path, p, kept, store)
     masters = [_master_of(p, kept) for _, p, kept in rows]
     grads = [
-      u.astype(_F32) if _rounding.is_half(p) and _tree.is_float_array(u) else u
+      _tree.widen(u).astype(_F32)
+      if _rounding.is_half(p) and _tree.is_float_array(u)
+      else u
       for u, p, _ in rows
     ]
-    inner_updates, inner_state = wrapped.update(
-      jax.tree.unflatten(treedef, grads),
-      state.inner_state,
-      jax.tree.unflatten(treedef, masters),
-      **extra_args,
+    grads, masters_tree = (jax.tree.unflatten(treedef, x) for x in (grads, masters))
+    _state.check_inner_state(
+      "master_weights", inner, state.inner_state, grads, masters_tree
     )
+    try:
+      inner_updates, inner_state = wrapped.update(
+        grads, state.inner_state, masters_tree, **extra_args
+      )
+    except (ValueError, TypeError) as e:
+      _state.blame_none_gradients(grads, masters_tree, e)
+      raise
     new_updates, new_master = [], []
     flat_updates = treedef.flatten_up_to(inner_updates)
     for u, (_, p, kept), m in zip(flat_updates, rows, masters, strict=True):
@@ -219,7 +252,7 @@ def master_weights(
         new_updates.append(u)
         new_master.append(kept)
         continue
-      m_new = (m + u.astype(_F32)).astype(_F32)  # apply_updates on the master
+      m_new = m + _tree.widen(u).astype(_F32)  # apply_updates on the master
       if store == "float32":
         new = _rounding.round_to(m_new, p.dtype)
         update = _rounding.exact_update(new, p)
@@ -272,15 +305,21 @@ def get_master_weights(opt_state: Any, params: Any) -> Any:
   )
   master = _tree.unwrap_variables(state.master)
   params = _tree.unwrap_variables(params)
+  with_paths, treedef = jax.tree_util.tree_flatten_with_path(
+    master, is_leaf=lambda x: x is None
+  )
   try:
-    treedef = jax.tree.structure(master, is_leaf=lambda x: x is None)
     flat_params = treedef.flatten_up_to(params)
   except (ValueError, TypeError):
     raise ValueError(
       "get_master_weights: `params` do not fit the master_weights state; pass "
       "the parameters it was made for."
     ) from None
-  flat_master = treedef.flatten_up_to(master)
+  for (path, kept), p in zip(with_paths, flat_params, strict=True):
+    # the store each leaf was made with, read from what it keeps
+    store = "remainder" if getattr(kept, "dtype", None) == jnp.int16 else "float32"
+    _check_kept("get_master_weights", _tree.keystr(path), p, kept, store)
   return jax.tree.unflatten(
-    treedef, [_master_of(p, k) for p, k in zip(flat_params, flat_master, strict=True)]
+    treedef,
+    [_master_of(p, k) for p, (_, k) in zip(flat_params, with_paths, strict=True)],
   )

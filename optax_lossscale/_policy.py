@@ -55,9 +55,11 @@ def default_half_dtype(backend: str | None = None) -> jnp.dtype:
   return _dtypes.default_half_dtype(backend)
 
 
-def _dtype(text: str, part: str, backend: str | None) -> jnp.dtype:
+def _dtype(
+  text: str, part: str, backend: str | None, field: str = "dtype"
+) -> jnp.dtype:
   try:
-    return _dtypes.float_dtype("dtype", text, backend_name=backend)
+    return _dtypes.float_dtype(field, text, backend_name=backend)
   except ValueError as e:
     raise ValueError(f"Policy part {part!r}: {e}") from None
 
@@ -114,7 +116,7 @@ class Policy:
         field,
         getattr(self, field),
         allowed=_POLICY_DTYPES,
-        hint="float8 is for matmul inputs only, with a scale per tensor; use "
+        float8_hint="float8 is for matmul inputs only, with a scale per tensor; use "
         "autocast(f, compute_dtype=jnp.bfloat16, matmul='float8').",
       )
       object.__setattr__(self, field, dtype)
@@ -153,7 +155,7 @@ class Policy:
         )
       if field in dtypes:
         raise ValueError(f"Policy part {part.strip()!r} repeats {field}.")
-      dtypes[field] = _dtype(value, part.strip(), backend)
+      dtypes[field] = _dtype(value, part.strip(), backend, field)
     return cls(**dtypes)
 
   @property

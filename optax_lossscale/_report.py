@@ -102,27 +102,54 @@ def check_skipped_steps(
       "overflow at every scale tried so far. If this persists down to "
       "min_scale, the model itself produces NaN or inf."
     )
+  # The record (when kept) is fetched only now, for the message.
+  record = _record(opt_state_or_diagnostics, required=False) if given_state else None
   bad_params = (
     [] if params is None else _guard.nonfinite_leaves(params, "check_skipped_steps")
   )
   if bad_params:
-    cause = (
-      f"The parameters hold NaN or inf ({'; '.join(bad_params[:4])}): an update "
-      "that was applied made them so, and since a step is applied only when "
-      "its gradients are finite, the loss was finite but the optimizer's "
-      "update was not. Look at the optimizer, not the model: a state in "
-      "float16 (Adam's second moment underflows to 0 and its eps=1e-8 is 0 "
-      "in float16, so the update divides by zero; g**2 overflows above 256) "
-      "or a learning rate that diverges. Keep the optimizer in float32: "
-      "dynamic_loss_scale(master_weights(optax.adam(...), store='float32'))."
+    cause = _blame_parameters(
+      bad_params,
+      record,
+      given_state and _state.wants_float32_gradients(opt_state_or_diagnostics),
     )
-  # The record (when kept) is fetched only now, for the message.
-  record = _record(opt_state_or_diagnostics, required=False) if given_state else None
   where = "" if record is None else " " + _last_step_text(_report(record, None))
   raise NonFiniteStepsError(
     f"{consecutive} steps in a row were skipped for non-finite gradients "
     f"({total} skipped in total; limit max_consecutive_skips={limit}). {cause}"
     f"{where}"
+  )
+
+
+def _blame_parameters(bad: list[str], record: Any, has_master: bool) -> str:
+  """Why the parameters are not finite, as far as the state tells.
+
+  A step is applied only when its gradients are finite. With a record that
+  saw every step skipped, no update was ever applied: the parameters were
+  not finite to begin with. Otherwise an applied update made them so (or
+  they were so from the start), and the optimizer is the suspect.
+  """
+  held = f"The parameters hold NaN or inf ({'; '.join(bad[:4])})"
+  if record is not None and int(record.nonfinite_steps) == int(record.steps):
+    return (
+      f"{held}, and no update was ever applied (all {int(record.steps)} steps "
+      "were skipped): they were not finite to begin with. Check the "
+      "initialisation, or the checkpoint they were restored from."
+    )
+  advice = (
+    "a learning rate that diverges, or a rule that divides by a state that can be 0"
+    if has_master
+    else "a state in float16 (Adam's second moment underflows to 0 and its "
+    "eps=1e-8 is 0 in float16, so the update divides by zero; g**2 overflows "
+    "above 256) or a learning rate that diverges. Keep the optimizer in "
+    "float32: dynamic_loss_scale(master_weights(optax.adam(...), "
+    "store='float32'))"
+  )
+  return (
+    f"{held}. A step is applied only when its gradients are finite, so unless "
+    "they were not finite to begin with (the initialisation, a checkpoint), an "
+    "applied update made them so: the loss was finite but the optimizer's "
+    f"update was not. Look at the optimizer, not the model: {advice}."
   )
 
 

@@ -18,11 +18,15 @@ from optax_lossscale import _core, _tree
 from optax_lossscale._core import LossScaleState
 
 __all__ = [
+  "blame_none_gradients",
+  "check_inner_state",
+  "check_state_type",
   "counters",
   "diagnostics",
   "find_loss_scale_state",
   "get_scale",
   "is_loss_scale_state",
+  "none_gradients",
   "optimizer_state",
   "wants_float32_gradients",
 ]
@@ -50,6 +54,98 @@ def wants_float32_gradients(opt_state: Any) -> bool:
       opt_state, lambda x: getattr(type(x), "float32_gradients", 0) is True
     )
   )
+
+
+def none_gradients(grads: Any, params: Any) -> list[str]:
+  """Paths where ``grads`` hold ``None`` for a parameter (any ``None`` without
+  ``params``)."""
+  is_none = lambda x: x is None  # noqa: E731
+  nones = [
+    _tree.keystr(path)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+    if g is None
+  ]
+  if params is None:
+    return nones
+  present = {
+    _tree.keystr(path)
+    for path, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+    if p is not None
+  }
+  return [path for path in nones if path in present]
+
+
+def blame_none_gradients(grads: Any, params: Any, error: Exception) -> None:
+  """Re-raises the inner optimizer's ``error`` naming ``None`` gradients, if any.
+
+  optax's ``sgd`` leaves a ``None`` gradient's parameter alone; Adam and most
+  stateful optimizers cannot take one, and fail with a message about their
+  own state. When the gradients hold ``None`` for a parameter, that is the
+  likely cause, and the message says so first.
+  """
+  nones = none_gradients(grads, params)
+  if nones:
+    raise ValueError(
+      f"The gradient at {', '.join(nones[:4])} is None where there is a "
+      "parameter, and the wrapped optimizer failed on it: it needs a gradient "
+      "for every parameter. Give zeros (jnp.zeros_like), or keep the parameter "
+      f"out of the optimizer (optax.masked, optax.set_to_zero). Its error: {error}"
+    ) from None
+
+
+def check_inner_state(
+  owner: str, inner: Any, inner_state: Any, grads: Any, params: Any
+) -> None:
+  """A readable error, at trace time, for a state made by another optimizer.
+
+  ``inner_state`` must have the structure ``inner.init(params)`` would give
+  (``grads`` where there are no ``params``). A ``ValueError`` that ``init``
+  raises on these parameters is raised (it names what is wrong with them);
+  an ``init`` that needs what cannot be given here is not checked.
+  """
+  like = params if params is not None else grads
+  try:
+    expected = jax.tree.structure(jax.eval_shape(inner.init, like))
+  except ValueError:
+    if params is None:
+      return
+    raise
+  except Exception:  # noqa: BLE001 - init needs what we cannot give: no check
+    return
+  got = jax.tree.structure(inner_state)
+  if got != expected:
+    nones = [
+      _tree.keystr(path)
+      for path, g in jax.tree_util.tree_flatten_with_path(
+        grads, is_leaf=lambda x: x is None
+      )[0]
+      if g is None
+    ]
+    if params is None and nones:
+      raise ValueError(
+        f"The gradients hold None at {', '.join(nones[:4])}, and the optimizer "
+        "state does not fit them: the inner optimizer needs a gradient for "
+        "every parameter. Give zeros there, or pass params to update (it then "
+        "names the parameter)."
+      )
+    raise ValueError(
+      f"The state's inner_state was not made by {owner}'s inner "
+      "optimizer for these parameters (a state saved with another optimizer, "
+      "or made for parameters of another structure or dtype?). Restore it "
+      "into the optimizer that made it, pass the parameters it was made for, "
+      "or init a fresh state with this one.\n"
+      f"  state holds:    {_tree.short(got)}\n"
+      f"  inner.init has: {_tree.short(expected)}"
+    )
+
+
+def check_state_type(name: str, state: Any, cls: type) -> None:
+  """A readable error for a state another transformation made."""
+  if not isinstance(state, cls):
+    raise ValueError(
+      f"{name}: the state is a {type(state).__name__}, not a {cls.__name__}: it "
+      f"was made by another transformation. Init it with this {name}."
+    )
 
 
 def is_loss_scale_state(x: Any) -> bool:

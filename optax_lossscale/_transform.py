@@ -61,75 +61,6 @@ def _validate_grads(grads: Any, params: Any) -> None:
   jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
 
 
-def _none_gradients(grads: Any, params: Any) -> list[str]:
-  """Paths where ``grads`` hold ``None`` for a parameter (any ``None`` without
-  ``params``)."""
-  is_none = lambda x: x is None  # noqa: E731
-  nones = [
-    _tree.keystr(path)
-    for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
-    if g is None
-  ]
-  if params is None:
-    return nones
-  present = {
-    _tree.keystr(path)
-    for path, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
-    if p is not None
-  }
-  return [path for path in nones if path in present]
-
-
-def _blame_none_gradients(grads: Any, params: Any, error: Exception) -> None:
-  """Re-raises the inner optimizer's ``error`` naming ``None`` gradients, if any.
-
-  optax's ``sgd`` leaves a ``None`` gradient's parameter alone; Adam and most
-  stateful optimizers cannot take one, and fail with a message about their
-  own state. When the gradients hold ``None`` for a parameter, that is the
-  likely cause, and the message says so first.
-  """
-  nones = _none_gradients(grads, params)
-  if nones:
-    raise ValueError(
-      f"The gradient at {', '.join(nones[:4])} is None where there is a "
-      "parameter, and the wrapped optimizer failed on it: it needs a gradient "
-      "for every parameter. Give zeros (jnp.zeros_like), or keep the parameter "
-      f"out of the optimizer (optax.masked, optax.set_to_zero). Its error: {error}"
-    ) from None
-
-
-def _check_inner_state(inner: Any, inner_state: Any, grads: Any, params: Any) -> None:
-  """A readable error, at trace time, for a state made by another optimizer."""
-  like = params if params is not None else grads
-  try:
-    expected = jax.tree.structure(jax.eval_shape(inner.init, like))
-  except Exception:  # noqa: BLE001 - init needs what we cannot give: no check
-    return
-  got = jax.tree.structure(inner_state)
-  if got != expected:
-    nones = [
-      _tree.keystr(path)
-      for path, g in jax.tree_util.tree_flatten_with_path(
-        grads, is_leaf=lambda x: x is None
-      )[0]
-      if g is None
-    ]
-    if params is None and nones:
-      raise ValueError(
-        f"The gradients hold None at {', '.join(nones[:4])}, and the optimizer "
-        "state does not fit them: the inner optimizer needs a gradient for "
-        "every parameter. Give zeros there, or pass params to update (it then "
-        "names the parameter)."
-      )
-    raise ValueError(
-      "The state's inner_state was not made by this loss scale's inner "
-      "optimizer (a state saved with another optimizer?). Restore it into "
-      "the optimizer that made it, or init a fresh state with this one.\n"
-      f"  state holds:    {_tree.short(got)}\n"
-      f"  inner.init has: {_tree.short(expected)}"
-    )
-
-
 def loss_scale_transformation(
   inner: optax.GradientTransformation,
   config: LossScaleConfig,
@@ -196,10 +127,13 @@ def loss_scale_transformation(
     mask = _overwrite.state_mask(state.inner_state, updates)
     body = inner if mask is None else overwriting
     if mask is None:
-      _check_inner_state(inner, state.inner_state, updates, params)
+      _state.check_inner_state(
+        "this loss scale", inner, state.inner_state, updates, params
+      )
     else:
       regular_params = None if params is None else _overwrite.split(params, mask)[0]
-      _check_inner_state(
+      _state.check_inner_state(
+        "this loss scale",
         inner,
         state.inner_state.inner_state,
         _overwrite.split(updates, mask)[0],
@@ -253,7 +187,7 @@ def loss_scale_transformation(
           grads, state.inner_state, params, **extra_args
         )
     except (ValueError, TypeError) as e:
-      _blame_none_gradients(updates, params, e)
+      _state.blame_none_gradients(updates, params, e)
       raise
     return new_updates, new_state._replace(inner_state=new_inner)
 
