@@ -188,9 +188,11 @@ def mlp_task(steps, seed):
 
 
 def compare(task, steps, seeds, lr):
-  """``{config: [result per seed]}`` for one task, and the second-moment losses."""
+  """``{config: [result per seed]}`` for one task, the second-moment losses,
+  and per seed the first training step whose loss differs between the two
+  master-weight stores (``None``: none differs)."""
   out = {name: [] for name in CONFIGS}
-  moments = {}
+  moments, stores = {}, []
   for seed in seeds:
     _, params, batches, loss_fn, evaluate = task(steps, seed)
     for name in CONFIGS:
@@ -208,7 +210,10 @@ def compare(task, steps, seeds, lr):
         f"({r['seconds']:.0f} s)",
         flush=True,
       )
-  return out, moments
+    a, b = out["bf16 remainder"][-1], out["bf16 float32 copy"][-1]
+    differs = np.flatnonzero(a["losses"] != b["losses"])
+    stores.append(int(differs[0]) + 1 if differs.size else None)
+  return out, moments, stores
 
 
 def update_costs(calls, rounds):
@@ -317,9 +322,16 @@ def main(argv=None):
   parts = []
   if "train" in sections:
     print("transformer:", flush=True)
-    lm, lm_moments = compare(lm_task, args.lm_steps, seeds, args.lm_lr)
+    lm, lm_moments, lm_stores = compare(lm_task, args.lm_steps, seeds, args.lm_lr)
     print("MLP:", flush=True)
-    mlp, mlp_moments = compare(mlp_task, args.mlp_steps, seeds, args.mlp_lr)
+    mlp, mlp_moments, mlp_stores = compare(mlp_task, args.mlp_steps, seeds, args.mlp_lr)
+    store_rows = [
+      "| model | first step whose loss differs, per seed |",
+      "| --- | --- |",
+    ] + [
+      f"| {model} | {', '.join(str(d or 'none') for d in st)} |"
+      for model, st in (("transformer", lm_stores), ("MLP", mlp_stores))
+    ]
     moment_rows = [
       "| model | state dtype | increment underflows | nu stagnates | median "
       "relative error |",
@@ -341,24 +353,29 @@ def main(argv=None):
       "Adam's second moment (b2 = 0.999) in a low-precision dtype: one update "
       "from the trained float32 run's state and last gradients (seed 0):",
       "\n".join(moment_rows),
+      "The two stores of master_weights, bf16 remainder against bf16 float32 "
+      "copy: the same float32 masters, whose parameters differ only where a "
+      "master's low 16 bits are a tie, 0x8000 (the remainder rounds it away "
+      "from zero, the copy to even); from the first such tie the runs part:",
+      "\n".join(store_rows),
       f"Loss curves: {os.path.basename(png)}.",
     ]
   if "costs" in sections:
     costs = update_costs(args.calls, 1 if args.quick else 3)
-    ref = costs["float32"]
+    ref, nearest = costs["float32"], costs["bf16 nearest"]
     parts += [
       "Update step (Adam + the rounding, bench.py's 8.4M parameters in 64 "
       "leaves, gradients in bfloat16; smallest of the rounds' medians):",
       "\n".join(
         [
           "| parameters | update step (ms) | time vs float32 | bytes accessed (MB) | "
-          "bytes vs float32 |",
-          "| --- | --- | --- | --- | --- |",
+          "bytes vs float32 | bytes vs bf16 nearest |",
+          "| --- | --- | --- | --- | --- | --- |",
         ]
         + [
           f"| {name} | {1e3 * c['median_s']:.2f} | "
           f"{c['median_s'] / ref['median_s']:.2f}x | {c['bytes'] / 1e6:.1f} | "
-          f"{c['bytes'] / ref['bytes']:.2f}x |"
+          f"{c['bytes'] / ref['bytes']:.2f}x | {c['bytes'] / nearest['bytes']:.2f}x |"
           for name, c in costs.items()
         ]
       ),

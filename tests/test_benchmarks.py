@@ -167,20 +167,23 @@ def test_bf16_params_report_runs_and_adds_up(tmp_path):
     text,
     re.M,
   )
-  assert len(rows) == 12, text  # six configurations, two models
+  assert len(rows) == 16, text  # eight configurations, two models
   for name, _, gap, _, points, per_param in rows:
     if name == "float32":
       assert float(gap) == 0 and float(points) == 0 and float(per_param) == 12.0
   # Bytes per parameter follow from the dtypes: bfloat16 parameters (2), the
-  # Kahan buffer (2), Adam's two moments (4 or 2 each).
+  # Kahan buffer (2), Adam's two moments (4 or 2 each), the master weights'
+  # remainder (2) or float32 copy (4).
   per = {name: float(b) for name, *_, b in rows}
   assert per["bf16 nearest"] == per["bf16 stochastic"] == 10.0
   assert per["bf16 Kahan"] == 12.0 and per["bf16 Kahan, bf16 mu"] == 10.0
   assert per["bf16 stochastic, bf16 moments"] == 6.0
+  assert per["bf16 remainder"] == 12.0 and per["bf16 float32 copy"] == 14.0
+  assert re.search(r"^\| transformer \| (\d+|none) \|$", text, re.M), text
   costs = re.findall(
     r"^\| (float32|bf16 [^|]+?) \| ([\d.]+) \| ([\d.]+)x \|", text, re.M
   )
-  assert len(costs) == 6 and all(float(ms) > 0 for _, ms, _ in costs), text
+  assert len(costs) == 8 and all(float(ms) > 0 for _, ms, _ in costs), text
   assert (tmp_path / "bf16.png").read_bytes()[:4] == b"\x89PNG"
 
 

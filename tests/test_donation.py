@@ -58,6 +58,17 @@ OPTIMIZERS = {
   "kahan_summation": lambda: ols.dynamic_loss_scale(
     optax.chain(optax.sgd(0.1), ols.kahan_summation())
   ),
+  # a float32 master of a float32 parameter would be the parameter itself
+  "master_weights float32": lambda: ols.dynamic_loss_scale(
+    ols.master_weights(optax.adamw(1e-3), store="float32")
+  ),
+  "master_weights remainder": lambda: ols.dynamic_loss_scale(
+    ols.master_weights(optax.adamw(1e-3))
+  ),
+  "LossScaleOptimizer master_weights": lambda: ols.LossScaleOptimizer(
+    ols.master_weights(optax.inject_hyperparams(optax.sgd)(0.1), store="float32"),
+    weight_decay=0.1,
+  ),
 }
 
 
