@@ -271,8 +271,8 @@ def kahan_summation() -> optax.GradientTransformation:
   with ``p + c = 0.99902`` where the sum is 0.99. In float16 it is
   float32's own unit at the weight (an update below half of it is lost as
   on a float32 weight). :func:`master_weights` has no such limit. A weight
-  that overflows to ``±inf`` keeps a zero compensation. The update returned is float32,
-  and ``optax.apply_updates`` turns it into exactly the rounded value
+  that overflows to ``±inf`` keeps a zero compensation. The update returned
+  is float32, and ``optax.apply_updates`` turns it into exactly the rounded value
   (:func:`exact_update` says when). Other leaves keep their updates as they
   are and have ``None`` compensation. Under a loss scale a skipped step
   keeps the buffers.

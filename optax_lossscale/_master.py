@@ -193,7 +193,8 @@ def master_weights(
     >>> state = tx.init(params)
     >>> for _ in range(100):  # w - 1e-4, 100 times; to nearest, w stays 1.0
     ...   updates, state = tx.update({"w": jnp.full(1, 1e-4)}, state, params)
-    ...   params = optax.apply_updates(params, updates)
+    ...   w = params["w"].astype(jnp.float32) + updates["w"]  # apply_updates
+    ...   params = {"w": w.astype(jnp.bfloat16)}
     >>> float(ols.get_master_weights(state, params)["w"][0])  # float32's own sum
     0.9899983406066895
     >>> params["w"]  # the master rounded to nearest
