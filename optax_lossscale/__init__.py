@@ -12,6 +12,10 @@ from optax_lossscale._autocast_lists import ALLOW_LIST as ALLOW_LIST
 from optax_lossscale._autocast_lists import CLEAR_LIST as CLEAR_LIST
 from optax_lossscale._autocast_lists import DENY_LIST as DENY_LIST
 from optax_lossscale._autocast_lists import INFER_LIST as INFER_LIST
+from optax_lossscale._block_matmul import MXFP8Matmul as MXFP8Matmul
+from optax_lossscale._block_matmul import NVFP4Matmul as NVFP4Matmul
+from optax_lossscale._block_scaled import BlockQuantized as BlockQuantized
+from optax_lossscale._block_scaled import block_quantize as block_quantize
 from optax_lossscale._config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from optax_lossscale._config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
 from optax_lossscale._config import LossScaleConfig as LossScaleConfig
@@ -70,6 +74,10 @@ from optax_lossscale.porting import with_loss_scale as with_loss_scale
 __version__ = "0.1.0"
 
 __all__ = (
+  "MXFP8Matmul",
+  "NVFP4Matmul",
+  "BlockQuantized",
+  "block_quantize",
   "ALLOW_LIST",
   "CLEAR_LIST",
   "DENY_LIST",

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _dtypes, _float8, _jaxpr
+from optax_lossscale import _block_matmul, _dtypes, _float8, _jaxpr
 from optax_lossscale._autocast_lists import (
   ALLOW_LIST,
   CLEAR_LIST,
@@ -213,7 +213,24 @@ def _eval(
   return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
 
 
+#: The name stacks of the equations being rewritten, outermost first: a
+#: matmul's module path is theirs joined (a sub-jaxpr's are relative).
+_SCOPE: list[str] = []
+
+
+def _module_path() -> str:
+  return "/".join(s for s in _SCOPE if s)
+
+
 def _eval_eqn(eqn, invals, rules: _Rules, float32: dict):
+  _SCOPE.append(str(eqn.source_info.name_stack))
+  try:
+    return _eval_eqn_in_scope(eqn, invals, rules, float32)
+  finally:
+    _SCOPE.pop()
+
+
+def _eval_eqn_in_scope(eqn, invals, rules: _Rules, float32: dict):
   name = eqn.primitive.name
   params = eqn.params
   body = _jaxpr.call_body(eqn)
@@ -296,7 +313,16 @@ def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
       else:
         params.pop("preferred_element_type", None)
     out_dtype = params.get("preferred_element_type", pet) or half
-    if name == "dot_general" and rules.float8 and len(floating) == 2:
+    recipe = rules.float8
+    block = recipe is not None and not isinstance(recipe, _float8.Float8Matmul)
+    if name == "dot_general" and block and len(floating) == 2:
+      if not _block_matmul.excluded(recipe, _module_path()):
+        return [
+          _block_matmul.dot_general(
+            *invals, eqn.params["dimension_numbers"], out_dtype, recipe
+          )
+        ]
+    elif name == "dot_general" and recipe is not None and len(floating) == 2:
       # Both operands as they come (float32 parameters are quantised from
       # float32, not from their half rounding).
       return [
@@ -405,7 +431,7 @@ def autocast(
   deny: Iterable[str] = DENY_LIST,
   infer: Iterable[str] = INFER_LIST,
   clear: Iterable[str] = CLEAR_LIST,
-  matmul: str | _float8.Float8Matmul | None = None,
+  matmul: Any = None,
 ) -> Callable[..., Any]:
   """``fun`` evaluated with per-primitive casting to ``compute_dtype``.
 
@@ -437,7 +463,10 @@ def autocast(
   result type the function asked for). Everything else follows the lists;
   convolutions stay in ``compute_dtype``. A float8 function can be
   differentiated in reverse mode (``grad``, ``vjp``), not forward mode
-  (``jvp``).
+  (``jvp``). With ``matmul="mxfp8"`` or ``"nvfp4"`` (or an
+  :class:`MXFP8Matmul`/:class:`NVFP4Matmul`) every such matmul that the
+  recipe does not exclude (by module path) runs block-scaled, each of its
+  three GEMMs quantising its operands along its own contraction.
 
   Args:
     fun: the function, written for float32.
@@ -446,8 +475,9 @@ def autocast(
     allow, deny, infer, clear: primitive names (see the module lists
       ``ALLOW_LIST`` …); pass modified sets to override. A primitive in no
       list runs in float32.
-    matmul: ``None`` (matmuls in ``compute_dtype``), ``"float8"`` or a
-      :class:`Float8Matmul`.
+    matmul: ``None`` (matmuls in ``compute_dtype``), ``"float8"``,
+      ``"mxfp8"``, ``"nvfp4"``, or a :class:`Float8Matmul`,
+      :class:`MXFP8Matmul` or :class:`NVFP4Matmul`.
 
   Raises:
     ValueError: a bad ``compute_dtype`` or ``matmul``, or a primitive in two

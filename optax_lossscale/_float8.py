@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _dtypes, _tree
+from optax_lossscale import _block_matmul, _dtypes, _tree
 
 __all__ = ["Float8Matmul", "as_recipe", "current_scale", "dot_general", "quantize"]
 
@@ -90,14 +90,19 @@ class Float8Matmul:
       raise ValueError(f"`power_of_two` must be a bool, got {self.power_of_two!r}.")
 
 
-def as_recipe(matmul: Any) -> Float8Matmul | None:
-  """``autocast``'s ``matmul`` argument as a recipe (``None``: no float8)."""
+def as_recipe(matmul: Any) -> Any:
+  """``autocast``'s ``matmul`` argument as a recipe (``None``: none): a
+  :class:`Float8Matmul`, or a block-scaled ``MXFP8Matmul``/``NVFP4Matmul``."""
   if matmul is None or isinstance(matmul, Float8Matmul):
     return matmul
   if isinstance(matmul, str) and matmul == "float8":
     return Float8Matmul()
+  block = _block_matmul.as_block_recipe(matmul)
+  if block is not None:
+    return block
   raise ValueError(
-    f"`matmul` must be None, 'float8' or an ols.Float8Matmul, got {matmul!r}."
+    "`matmul` must be None, 'float8', 'mxfp8', 'nvfp4', or an ols.Float8Matmul, "
+    f"ols.MXFP8Matmul or ols.NVFP4Matmul, got {matmul!r}."
   )
 
 

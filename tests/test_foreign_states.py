@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import versions
 
 import optax_lossscale as ols
 
@@ -152,6 +153,7 @@ def test_a_state_another_transformation_made_is_named(case):
     tx.update(jax.tree.map(jnp.zeros_like, params), foreign(params), params)
 
 
+@versions.adam_refuses_none
 @pytest.mark.parametrize(
   "tx", [_mw("remainder"), _scaled("remainder")], ids=["alone", "loss scale"]
 )

@@ -1,0 +1,261 @@
+"""Block-scaled matmuls: MXFP8 and NVFP4 recipes for every GEMM of a train step.
+
+A ``dot_general`` is brought to the form ``(B, M, K) x (B, K, N)`` (its
+batch, free and contracting axes each flattened). The three GEMMs of its
+forward and backward pass each quantise both operands along that GEMM's own
+contraction, from the high-precision source (:func:`block_quantize`):
+
+* forward ``y = x w``: ``x`` and ``w`` along ``K``;
+* input gradient ``dx = dy wᵀ``: ``dy`` and ``w`` along ``N``;
+* weight gradient ``dw = xᵀ dy``: ``x`` and ``dy`` along ``M``.
+
+The quantised operands are dequantised to float32 and multiplied in float32
+(``Precision.HIGHEST``): the numbers of the recipe, the same on every
+backend. The backward pass saves the two operands as they came (their own
+dtypes), as a bfloat16 matmul does, and quantises them again.
+
+NVFP4 adds to this: 16 x 16 tiles for the weight (``weight_2d``: the
+forward and the input gradient use the same quantised weight); a 16 x 16
+random Hadamard transform along ``M`` on both operands of the weight
+gradient (fixed signs; ``Hᵀ H = I`` cancels it in exact arithmetic); and
+stochastic rounding of the output gradient's elements. Their random numbers
+come from the recipe's ``seed`` folded with a 32-bit hash of the output
+gradient's bits: they differ whenever the gradient does (every step) and
+are reproducible from the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optax_lossscale import _block_scaled
+
+__all__ = ["MXFP8Matmul", "NVFP4Matmul", "dot_general", "excluded"]
+
+_F32 = jnp.dtype(jnp.float32)
+
+#: NVFP4's layers kept in the compute dtype by default: the output layer and
+#: embeddings (as Flax names them), and matmuls written with ``einsum``
+#: (attention's, whose name is their equation).
+NVFP4_EXCLUDE = (r"(^|/)(head|lm_head|output|logits|[Ee]mbed\w*)$", r"->")
+
+
+def _check_exclude(exclude: Any) -> Any:
+  if callable(exclude):
+    return exclude
+  if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude):
+    raise ValueError(
+      "`exclude` must be a tuple of regular expressions (matched against a "
+      f"matmul's module path, e.g. 'Transformer/head') or a callable, got {exclude!r}."
+    )
+  for p in exclude:
+    re.compile(p)
+  return tuple(exclude)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8Matmul:
+  """MXFP8 for every matmul :func:`~optax_lossscale.autocast` rewrites.
+
+  Each operand of each GEMM (forward, input gradient, weight gradient) in
+  blocks of 32 along that GEMM's contraction: ``float8_e4m3fn`` elements
+  rounded to nearest, a power-of-two scale per block rounded up
+  (:func:`~optax_lossscale.block_quantize`), float32 accumulation.
+  ``matmul="mxfp8"`` is ``MXFP8Matmul()``.
+
+  Attributes:
+    exclude: matmuls kept in the compute dtype: regular expressions
+      searched in the matmul's module path (``"Transformer/block_0/Dense_1"``,
+      from the jaxpr's name stack), or a callable taking that path.
+  """
+
+  exclude: Any = ()
+  fmt: ClassVar[str] = "mxfp8"
+
+  def __post_init__(self):
+    object.__setattr__(self, "exclude", _check_exclude(self.exclude))
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Matmul:
+  """NVFP4 for every matmul :func:`~optax_lossscale.autocast` rewrites.
+
+  Each operand of each GEMM in blocks of 16 along that GEMM's contraction:
+  ``float4_e2m1fn`` elements, a ``float8_e4m3fn`` scale per block and a
+  float32 one per tensor (:func:`~optax_lossscale.block_quantize`), float32
+  accumulation. ``matmul="nvfp4"`` is ``NVFP4Matmul()``.
+
+  Attributes:
+    random_hadamard: a 16 x 16 random Hadamard transform along the
+      contraction of the weight gradient's two operands.
+    stochastic_rounding: the output gradient's elements rounded
+      stochastically (to nearest everywhere else, and everywhere when off).
+    weight_2d: the weight (the right-hand operand) in 16 x 16 tiles, so the
+      forward pass and the input gradient use the same quantised weight.
+    seed: the seed of the random numbers (folded with a hash of each output
+      gradient).
+    exclude: matmuls kept in the compute dtype, as :class:`MXFP8Matmul`'s;
+      by default the output layer, embeddings and ``einsum`` matmuls
+      (:data:`NVFP4_EXCLUDE`), as the NVFP4 recipe keeps them.
+  """
+
+  random_hadamard: bool = True
+  stochastic_rounding: bool = True
+  weight_2d: bool = True
+  seed: int = 0
+  exclude: Any = NVFP4_EXCLUDE
+  fmt: ClassVar[str] = "nvfp4"
+
+  def __post_init__(self):
+    for f in ("random_hadamard", "stochastic_rounding", "weight_2d"):
+      if not isinstance(getattr(self, f), (bool, np.bool_)):
+        raise ValueError(f"`{f}` must be a bool, got {getattr(self, f)!r}.")
+    if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
+      raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
+    object.__setattr__(self, "exclude", _check_exclude(self.exclude))
+
+
+def excluded(recipe: Any, path: str) -> bool:
+  """Whether ``recipe`` keeps the matmul at module path ``path`` as it is."""
+  if callable(recipe.exclude):
+    return bool(recipe.exclude(path))
+  return any(re.search(p, path) for p in recipe.exclude)
+
+
+def _hadamard16(seed: int = 0x5EED) -> np.ndarray:
+  """A 16 x 16 orthonormal random Hadamard matrix: ``H16 D / 4``, fixed signs."""
+  h = np.array([[1.0]])
+  for _ in range(4):
+    h = np.block([[h, h], [h, -h]])
+  signs = np.random.default_rng(seed).choice([-1.0, 1.0], 16)
+  return (h * signs / 4.0).astype(np.float32)
+
+
+def _rotate(x: jax.Array, axis: int) -> jax.Array:
+  """``x`` with each run of 16 along ``axis`` multiplied by the Hadamard
+  matrix (the axis zero-padded to a multiple of 16)."""
+  x = jnp.moveaxis(x, axis, -1)
+  n = x.shape[-1]
+  pad = -n % 16
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+  blocks = x.reshape(*x.shape[:-1], -1, 16)
+  out = jnp.einsum(
+    "...j,jk->...k", blocks, jnp.asarray(_hadamard16()), precision=lax.Precision.HIGHEST
+  )
+  return jnp.moveaxis(out.reshape(*x.shape[:-1], -1), -1, axis)
+
+
+def _key(recipe: NVFP4Matmul, g: jax.Array) -> jax.Array:
+  """The step's key: the seed folded with a 32-bit hash of ``g``'s bits."""
+  bits = lax.bitcast_convert_type(g.astype(_F32), jnp.uint32)
+  mixed = bits * jnp.uint32(0x9E3779B1) + jnp.arange(
+    bits.size, dtype=jnp.uint32
+  ).reshape(bits.shape)
+  return jax.random.fold_in(
+    jax.random.key(recipe.seed), jnp.sum(mixed, dtype=jnp.uint32)
+  )
+
+
+def _q(x: jax.Array, axis: int, recipe: Any, **kwargs) -> jax.Array:
+  """``x`` quantised along ``axis`` and dequantised: the GEMM's operand."""
+  return _block_scaled.block_quantize(x, recipe.fmt, axis, **kwargs).dequantize()
+
+
+def _mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
+  return jnp.einsum(
+    spec, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=_F32
+  )
+
+
+def _canonical(lhs, rhs, dimension_numbers):
+  """``(B, M, K)`` and ``(B, K, N)`` views, and how to undo them."""
+  (lc, rc), (lb, rb) = ((tuple(c) for c in dn) for dn in dimension_numbers)
+  lf = tuple(d for d in range(lhs.ndim) if d not in lc and d not in lb)
+  rf = tuple(d for d in range(rhs.ndim) if d not in rc and d not in rb)
+  size = lambda x, dims: math.prod(x.shape[d] for d in dims)  # noqa: E731
+  B, M, K, N = size(lhs, lb), size(lhs, lf), size(lhs, lc), size(rhs, rf)
+  lorder, rorder = (*lb, *lf, *lc), (*rb, *rc, *rf)
+  a = lax.transpose(lhs, lorder).reshape(B, M, K)
+  b = lax.transpose(rhs, rorder).reshape(B, K, N)
+  out_shape = (
+    *(lhs.shape[d] for d in lb),
+    *(lhs.shape[d] for d in lf),
+    *(rhs.shape[d] for d in rf),
+  )
+
+  def back(x, operand, order):
+    shaped = x.reshape(tuple(operand.shape[d] for d in order))
+    return lax.transpose(shaped, tuple(np.argsort(order)))
+
+  return (
+    a,
+    b,
+    out_shape,
+    (lambda da: back(da, lhs, lorder)),
+    (lambda db: back(db, rhs, rorder)),
+  )
+
+
+def dot_general(
+  lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: Any, recipe: Any
+) -> jax.Array:
+  """``lax.dot_general(lhs, rhs, dimension_numbers)`` in ``recipe``'s format.
+
+  Forward and backward as the module describes; the result in
+  ``out_dtype``, the cotangents in the operands' dtypes. Not differentiable
+  in forward mode.
+  """
+  nv = recipe.fmt == "nvfp4"
+  tiles = nv and recipe.weight_2d
+
+  def weight(b, axis):  # (B, K, N) along K (forward) or N (input gradient)
+    if tiles:
+      return _q(b, axis, recipe, tile_axis=3 - axis)
+    return _q(b, axis, recipe)
+
+  @jax.custom_vjp
+  def product(a, b):
+    return _forward(a, b)[0]
+
+  def _forward(a, b):
+    a3, b3, out_shape, _, _ = _canonical(a, b, dimension_numbers)
+    y = _mm(_q(a3, 2, recipe), weight(b3, 1), "bmk,bkn->bmn")
+    return y.reshape(out_shape).astype(out_dtype), (a, b)
+
+  def _backward(saved, g):
+    a, b = saved
+    a3, b3, _, back_a, back_b = _canonical(a, b, dimension_numbers)
+    g3 = g.reshape(a3.shape[0], a3.shape[1], b3.shape[2])
+    key = _key(recipe, g3) if nv and recipe.stochastic_rounding else None
+    k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
+    # input gradient dy wᵀ: contract N
+    dg = _q(g3, 2, recipe, key=k1) if nv else _q(g3, 2, recipe)
+    da = _mm(dg, weight(b3, 2), "bmn,bkn->bmk")
+    # weight gradient xᵀ dy: contract M (the Hadamard transform along it)
+    x, dy = a3, g3
+    if nv and recipe.random_hadamard:
+      x, dy = _rotate(x.astype(_F32), 1), _rotate(dy.astype(_F32), 1)
+    dyq = _q(dy, 1, recipe, key=k2) if nv else _q(dy, 1, recipe)
+    db = _mm(_q(x, 1, recipe), dyq, "bmk,bmn->bkn")
+    return back_a(da).astype(a.dtype), back_b(db).astype(b.dtype)
+
+  product.defvjp(_forward, _backward)
+  return product(lhs, rhs)
+
+
+def as_block_recipe(matmul: Any) -> MXFP8Matmul | NVFP4Matmul | None:
+  """``"mxfp8"``/``"nvfp4"`` or a recipe object as a recipe; else ``None``."""
+  if isinstance(matmul, (MXFP8Matmul, NVFP4Matmul)):
+    return matmul
+  if isinstance(matmul, str) and matmul in ("mxfp8", "nvfp4"):
+    _block_scaled._format(matmul)  # a clear error on a JAX without the dtypes
+    return MXFP8Matmul() if matmul == "mxfp8" else NVFP4Matmul()
+  return None

@@ -1,0 +1,292 @@
+"""Block-scaled quantisation: MXFP8 and NVFP4 elements with a scale per block.
+
+:func:`block_quantize` splits an axis into blocks and stores each block as
+low-precision elements times one scale:
+
+* ``"mxfp8"``: blocks of 32, ``float8_e4m3fn`` elements (largest 448), a
+  power-of-two scale stored as ``float8_e8m0fnu``, ``2**ceil(log2(amax /
+  448))`` (rounded up, so no element overflows; an all-zero block takes the
+  smallest scale, 2**-127), elements rounded to nearest, ties to even;
+* ``"nvfp4"``: blocks of 16, ``float4_e2m1fn`` elements (largest 6), a
+  ``float8_e4m3fn`` scale per block, ``e4m3(amax_block / 6 / g)``, and a
+  float32 scale per tensor ``g = amax / (448 * 6)``; elements
+  ``x / (block scale * g)`` clipped to ±6 and rounded to nearest (ties to
+  even) or stochastically with a key; optionally 16 x 16 tiles over two
+  axes (a weight quantised so, and its transpose, are the same numbers).
+
+An axis whose length is not a multiple of the block is zero-padded. A block
+(or tensor) holding NaN or an infinity dequantises to NaN, so a loss scale
+sees it. Every step is elementwise float32 arithmetic on exact powers of two
+or a rounding conversion, the same on every backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+__all__ = ["FORMATS", "BlockQuantized", "block_quantize", "round_e2m1"]
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Format:
+  block: int
+  element: str  # the jnp dtype's name
+  largest: float  # the element dtype's largest value
+  scale: str
+
+
+FORMATS = {
+  "mxfp8": _Format(32, "float8_e4m3fn", 448.0, "float8_e8m0fnu"),
+  "nvfp4": _Format(16, "float4_e2m1fn", 6.0, "float8_e4m3fn"),
+}
+_E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def _format(fmt: Any) -> _Format:
+  if not isinstance(fmt, str) or fmt not in FORMATS:
+    raise ValueError(f"`fmt` must be 'mxfp8' or 'nvfp4', got {fmt!r}.")
+  spec = FORMATS[fmt]
+  missing = [d for d in (spec.element, spec.scale) if not hasattr(jnp, d)]
+  if missing:
+    raise ValueError(
+      f"{fmt} needs the dtypes {', '.join(missing)}, which this JAX "
+      f"({jax.__version__}) lacks: upgrade JAX."
+    )
+  return spec
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+  """``2.0**e`` in float32 for integer ``e`` in [-126, 127], from its bits."""
+  return lax.bitcast_convert_type(((e + 127) << 23).astype(jnp.int32), _F32)
+
+
+def _ldexp(x: jax.Array, e: jax.Array) -> jax.Array:
+  """``x * 2**e`` for ``e`` in [-127, 127], through two normal factors (a
+  float32 subnormal factor could be flushed to zero by the backend)."""
+  half = e // 2
+  return x * _pow2(half) * _pow2(e - half)
+
+
+def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
+  """``x`` with ``axis`` last, zero-padded to whole blocks, as (..., n, block)."""
+  x = jnp.moveaxis(x, axis, -1)
+  pad = -x.shape[-1] % block
+  if pad:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _tiles(x: jax.Array, axis: int, other: int, block: int) -> jax.Array:
+  """``x`` as (..., n_axis, n_other, block, block) tiles over two axes."""
+  x = jnp.moveaxis(x, (other, axis), (-2, -1))
+  pads = [-x.shape[-2] % block, -x.shape[-1] % block]
+  if any(pads):
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, p) for p in pads])
+  *lead, r, c = x.shape
+  x = x.reshape(*lead, r // block, block, c // block, block)
+  # (..., n_other, block_other, n_axis, block_axis) -> (..., n_axis, n_other, b_o, b_a)
+  return jnp.moveaxis(x, (-4, -2), (-3, -4))
+
+
+def _untiles(t: jax.Array, axis: int, other: int, shape: tuple) -> jax.Array:
+  """The inverse of :func:`_tiles`, cut back to ``shape``."""
+  t = jnp.moveaxis(t, (-3, -4), (-4, -2))
+  *lead, no, bo, na, ba = t.shape
+  x = t.reshape(*lead, no * bo, na * ba)
+  x = x[..., : shape[other], : shape[axis]]
+  return jnp.moveaxis(x, (-2, -1), (other, axis))
+
+
+def round_e2m1(v: jax.Array, key: jax.Array | None = None) -> jax.Array:
+  """float32 ``v`` (``|v| <= 6``) rounded to ``float4_e2m1fn``'s values.
+
+  To nearest, ties to even (the dtype's own conversion), or, given a
+  ``key``, up with probability ``(|v| - lo) / (hi - lo)`` between the two
+  neighbours ``lo <= |v| < hi``: unbiased.
+  """
+  if key is None:
+    return v.astype(jnp.float4_e2m1fn)
+  grid = jnp.asarray(_E2M1_GRID)
+  mag = jnp.abs(v)
+  i = jnp.clip(jnp.searchsorted(grid, mag, side="right") - 1, 0, 6)
+  lo, hi = grid[i], grid[i + 1]
+  p = (mag - lo) / (hi - lo)
+  up = jax.random.uniform(key, v.shape, _F32) < p
+  return (jnp.sign(v) * jnp.where(up, hi, lo)).astype(jnp.float4_e2m1fn)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockQuantized:
+  """What :func:`block_quantize` returns; :meth:`dequantize` gives the values.
+
+  Attributes:
+    elements: the low-precision elements, ``x``'s shape with ``axis``
+      zero-padded to whole blocks (and ``tile_axis`` with tiles).
+    scales: one per block: ``x``'s shape with ``axis`` (and ``tile_axis``)
+      divided into blocks (``float8_e8m0fnu`` for MXFP8, ``float8_e4m3fn``
+      for NVFP4).
+    global_scale: NVFP4's float32 scale per tensor (``None`` for MXFP8).
+    fmt: ``"mxfp8"`` or ``"nvfp4"``.
+    axis: the blocked axis (non-negative).
+    tile_axis: the tiles' other axis, or ``None``.
+    shape: the shape of the quantised array.
+  """
+
+  elements: jax.Array
+  scales: jax.Array
+  global_scale: jax.Array | None
+  fmt: str
+  axis: int
+  tile_axis: int | None
+  shape: tuple
+
+  def dequantize(self) -> jax.Array:
+    """The float32 values the matmul uses, in ``shape``: elements times their
+    block's scale (times the global scale), NaN for a block that held NaN
+    or an infinity."""
+    block = FORMATS[self.fmt].block
+    q = self.elements.astype(_F32)
+    if self.tile_axis is None:
+      q = _blocks(q, self.axis, block)
+      s = jnp.moveaxis(self.scales, self.axis, -1)[..., None]
+    else:
+      q = _tiles(q, self.axis, self.tile_axis, block)
+      s = jnp.moveaxis(self.scales, (self.tile_axis, self.axis), (-1, -2))
+      s = s[..., None, None]
+    if self.fmt == "mxfp8":
+      bits = lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)
+      v = jnp.where(bits == 0xFF, jnp.nan, _ldexp(q, bits - 127))
+    else:
+      v = q * s.astype(_F32) * self.global_scale
+    if self.tile_axis is None:
+      v = v.reshape(*v.shape[:-2], -1)[..., : self.shape[self.axis]]
+      return jnp.moveaxis(v, -1, self.axis)
+    return _untiles(v, self.axis, self.tile_axis, self.shape)
+
+
+jax.tree_util.register_dataclass(
+  BlockQuantized,
+  data_fields=["elements", "scales", "global_scale"],
+  meta_fields=["fmt", "axis", "tile_axis", "shape"],
+)
+
+
+def _mx_exponent(amax: jax.Array) -> jax.Array:
+  """``ceil(log2(amax / 448))`` exactly, in [-127, 127]; -127 for a zero.
+
+  With ``amax = m * 2**k`` (``m`` in [0.5, 1)): ``448 * 2**(k - 9)`` is
+  ``0.875 * 2**k``, enough unless ``m > 0.875``.
+  """
+  m, k = jnp.frexp(amax)
+  e = k - 9 + (m > 0.875).astype(k.dtype)
+  return jnp.where(amax > 0, jnp.clip(e, -127, 127), -127).astype(jnp.int32)
+
+
+def block_quantize(
+  x: jax.Array,
+  fmt: str,
+  axis: int = -1,
+  *,
+  tile_axis: int | None = None,
+  key: jax.Array | None = None,
+) -> BlockQuantized:
+  """``x`` as MXFP8 or NVFP4 blocks along ``axis``.
+
+  Args:
+    x: a floating array (computed in float32).
+    fmt: ``"mxfp8"`` (blocks of 32, ``float8_e4m3fn`` elements, a power-of-
+      two ``float8_e8m0fnu`` scale per block) or ``"nvfp4"`` (blocks of 16,
+      ``float4_e2m1fn`` elements, a ``float8_e4m3fn`` scale per block and a
+      float32 one per tensor).
+    axis: the axis split into blocks (a matmul's contracting axis).
+    tile_axis: NVFP4 only: a second axis, for 16 x 16 tiles over ``axis``
+      and it (a weight's two axes: its transpose quantises to the same
+      numbers).
+    key: NVFP4 only: round the elements stochastically with this key
+      (unbiased); ``None``: to nearest, ties to even.
+
+  Returns:
+    A :class:`BlockQuantized`; ``.dequantize()`` is the float32 array the
+    matmul multiplies.
+
+  Raises:
+    ValueError: another ``fmt``; ``tile_axis`` or ``key`` with MXFP8;
+      an axis out of range or ``tile_axis == axis``; ``x`` not floating; a
+      JAX without the formats' dtypes.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lossscale as ols
+    >>> q = ols.block_quantize(jnp.array([1.0, 3.0, 500.0, 0.1]), "mxfp8")
+    >>> q.scales.astype(jnp.float32)  # 2**ceil(log2(500 / 448))
+    Array([2.], dtype=float32)
+    >>> q.dequantize().tolist()  # 0.1 / 2 is 0.05, in e4m3 0.05078125
+    [1.0, 3.0, 512.0, 0.1015625]
+  """
+  spec = _format(fmt)
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"block_quantize: `x` must be floating, got {x.dtype}.")
+  ndim = x.ndim
+  if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+    raise ValueError(f"`axis` {axis!r} is out of range for an array of {ndim} axes.")
+  axis = int(axis) % ndim
+  if fmt == "mxfp8" and (tile_axis is not None or key is not None):
+    raise ValueError("MXFP8 has no tiles and no stochastic rounding: pass neither.")
+  if tile_axis is not None:
+    if not isinstance(tile_axis, (int, np.integer)) or not -ndim <= tile_axis < ndim:
+      raise ValueError(f"`tile_axis` {tile_axis!r} is out of range for {ndim} axes.")
+    tile_axis = int(tile_axis) % ndim
+    if tile_axis == axis:
+      raise ValueError("`tile_axis` must differ from `axis`.")
+  x32 = x.astype(_F32)
+  if tile_axis is None:
+    b = _blocks(x32, axis, spec.block)
+    amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+  else:
+    b = _tiles(x32, axis, tile_axis, spec.block)
+    amax = jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True)
+  bad = ~jnp.isfinite(amax)  # NaN or inf in the block
+  elem_dtype, scale_dtype = jnp.dtype(spec.element), jnp.dtype(spec.scale)
+  if fmt == "mxfp8":
+    e = _mx_exponent(jnp.where(bad, 0.0, amax))
+    q = _ldexp(b, -e).astype(elem_dtype)
+    scale_bits = jnp.where(bad, 0xFF, e + 127).astype(jnp.uint8)
+    scales = lax.bitcast_convert_type(scale_bits, scale_dtype)
+    global_scale = None
+  else:
+    tensor_amax = jnp.max(jnp.abs(x32), initial=0.0)
+    global_scale = jnp.where(
+      jnp.isfinite(tensor_amax),
+      jnp.where(tensor_amax > 0, tensor_amax / jnp.float32(448.0 * 6.0), 1.0),
+      jnp.nan,
+    ).astype(_F32)
+    s = (amax / jnp.float32(6.0) / global_scale).astype(scale_dtype)
+    s = jnp.where(bad, jnp.nan, s.astype(_F32)).astype(scale_dtype)
+    s32 = s.astype(_F32)
+    v = jnp.clip(b / jnp.where(s32 > 0, s32 * global_scale, 1.0), -6.0, 6.0)
+    v = jnp.where(s32 > 0, v, 0.0)
+    q = round_e2m1(v, key)
+    scales = s
+  # back to x's layout
+  if tile_axis is None:
+    padded = q.reshape(*q.shape[:-2], -1)
+    elements = jnp.moveaxis(padded, -1, axis)
+    scales = jnp.moveaxis(scales[..., 0], -1, axis)
+  else:
+    t = jnp.moveaxis(q, (-3, -4), (-4, -2))
+    *lead, no, bo, na, ba = t.shape
+    elements = jnp.moveaxis(
+      t.reshape(*lead, no * bo, na * ba), (-2, -1), (tile_axis, axis)
+    )
+    scales = jnp.moveaxis(scales[..., 0, 0], (-2, -1), (axis, tile_axis))
+  return BlockQuantized(
+    elements, scales, global_scale, fmt, axis, tile_axis, tuple(x.shape)
+  )
