@@ -5,10 +5,13 @@ initialisation and batches):
 
 1. ``float32``: the model as written, ``optax.adam``.
 2. ``bfloat16``: ``ols.autocast(loss, compute_dtype=jnp.bfloat16)``.
-3. ``float8``: ``ols.autocast(loss, compute_dtype=jnp.bfloat16,
-   matmul="float8")``: every matmul (the projections, the attention scores
-   and values, the MLP, the output layer) in float8 with a scale per tensor,
-   everything else as in run 2.
+3. ``--recipe`` (default ``float8``): ``ols.autocast(loss,
+   compute_dtype=jnp.bfloat16, matmul=recipe)``, everything else as in run
+   2. ``float8``: every matmul (the projections, the attention scores and
+   values, the MLP, the output layer) in float8 with a scale per tensor;
+   ``mxfp8``: every matmul block-scaled, blocks of 32; ``nvfp4``: 4-bit
+   elements in blocks of 16, the output layer and the attention einsums
+   kept in bfloat16 (``ols.NVFP4Matmul``'s default).
 
 The model is not modified: autocast rewrites the float32 function. Runs 2
 and 3 use ``ols.dynamic_loss_scale(optax.adam(...), track_nonfinite=True)``:
@@ -20,7 +23,8 @@ loss curves. On a CPU, XLA emulates float8
 (the operands are converted to float32 before each product): the numbers
 are float8's, the time per step is not a GPU's.
 
-Run:  python examples/train_lm_float8.py [--steps N] [--out DIR]   (see --help)
+Run:  python examples/train_lm_float8.py [--recipe float8|mxfp8|nvfp4] [--steps N]
+      [--out DIR]   (see --help)
 """
 
 from __future__ import annotations
@@ -47,11 +51,16 @@ from train_lm import (
 
 import optax_lossscale as ols
 
-RUNS = {
-  "float32": None,
-  "bfloat16": dict(compute_dtype=jnp.bfloat16),
-  "float8": dict(compute_dtype=jnp.bfloat16, matmul="float8"),
-}
+RECIPES = ("float8", "mxfp8", "nvfp4")
+
+
+def runs(recipe):
+  """name: autocast's arguments (``None``: the float32 model as written)."""
+  return {
+    "float32": None,
+    "bfloat16": dict(compute_dtype=jnp.bfloat16),
+    recipe: dict(compute_dtype=jnp.bfloat16, matmul=recipe),
+  }
 
 
 def accuracy(model, params, tokens):
@@ -63,11 +72,12 @@ def accuracy(model, params, tokens):
 def run(name, cfg, model, batches, val_tokens, progress):
   params = model.init(jax.random.key(cfg.seed), batches[0][:, :-1])["params"]
   loss = lambda p, t: loss_fn(model, p, t)
-  if RUNS[name] is None:
+  kwargs = runs(cfg.recipe)[name]
+  if kwargs is None:
     tx, grad_fn = optax.adam(cfg.lr), None
   else:
     tx = ols.dynamic_loss_scale(optax.adam(cfg.lr), track_nonfinite=True)
-    grad_fn = ols.value_and_grad(ols.autocast(loss, **RUNS[name]))
+    grad_fn = ols.value_and_grad(ols.autocast(loss, **kwargs))
 
   @jax.jit
   def step(params, opt_state, tokens):
@@ -93,16 +103,14 @@ def run(name, cfg, model, batches, val_tokens, progress):
     losses.append(value)
     progress.update(1)
   val_loss, val_acc = (float(v) for v in evaluate(params))
-  skipped = (
-    0 if RUNS[name] is None else int(ols.diagnostics(opt_state)["skipped_steps"])
-  )
+  skipped = 0 if kwargs is None else int(ols.diagnostics(opt_state)["skipped_steps"])
   return dict(
     name=name,
     loss=np.asarray(jax.device_get(losses), np.float64),
     val=val_loss,
     acc=val_acc,
     skipped=skipped,
-    report=None if RUNS[name] is None else ols.nonfinite_report(opt_state),
+    report=None if kwargs is None else ols.nonfinite_report(opt_state),
     step_ms=1e3 * float(np.median(times[1:])),  # the first step compiles
   )
 
@@ -127,7 +135,7 @@ def plot(results, cfg, path):
   ax.set_xlabel("training step")
   ax.set_ylabel(f"training loss (nats per byte, {n}-step running mean)")
   ax.set_title(
-    f"float8 matmuls vs bfloat16 vs float32: byte-level transformer, "
+    f"{cfg.recipe} matmuls vs bfloat16 vs float32: byte-level transformer, "
     f"{cfg.layers} layers, width {cfg.width}"
   )
   ax.legend()
@@ -138,6 +146,13 @@ def plot(results, cfg, path):
 
 def parse_args(argv=None):
   p = parser(__doc__.splitlines()[0], steps=150, batch=32)
+  p.add_argument(
+    "--recipe",
+    choices=RECIPES,
+    default="float8",
+    help="the third run's matmuls: float8 with a scale per tensor, or "
+    "block-scaled MXFP8 or NVFP4",
+  )
   return check(p, p.parse_args(argv))
 
 
@@ -166,8 +181,8 @@ def main(argv=None):
   model = Transformer(cfg.layers, cfg.width, cfg.heads, cfg.context, 256)
 
   results = []
-  with tqdm(total=len(RUNS) * cfg.steps, unit="step") as progress:
-    for name in RUNS:
+  with tqdm(total=3 * cfg.steps, unit="step") as progress:
+    for name in runs(cfg.recipe):
       progress.set_description(f"{name:>8}")
       results.append(run(name, cfg, model, batches, val_tokens, progress))
 
@@ -187,12 +202,17 @@ def main(argv=None):
     f"\nval loss and accuracy: next-byte cross-entropy (nats) and exact-prediction "
     f"rate on {cfg.eval_sequences} held-out sequences after {cfg.steps} steps, "
     f"computed in float32. ms/step: median train-step time on {jax.devices()[0]} "
-    "(float8 is emulated on a CPU)."
+    f"({cfg.recipe} is emulated on a CPU)."
+  )
+  last = results[-1]
+  print(
+    f"{cfg.recipe} against bfloat16: {last['val'] - results[1]['val']:+.4f} "
+    "nats/byte of validation loss."
   )
   for r in results:
     if r["skipped"]:
       print(f"\nwhere the gradients were not finite, {r['name']}:\n{r['report']}")
-  path = os.path.join(cfg.out, "lm_float8.png")
+  path = os.path.join(cfg.out, f"lm_{cfg.recipe}.png")
   plot(results, cfg, path)
   print(f"plot: {_cli.shown(path)}\ntotal time: {time.perf_counter() - t0:.1f} s")
   return results

@@ -319,7 +319,11 @@ def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
       if not _block_matmul.excluded(recipe, _module_path()):
         return [
           _block_matmul.dot_general(
-            *invals, eqn.params["dimension_numbers"], out_dtype, recipe
+            *invals,
+            eqn.params["dimension_numbers"],
+            out_dtype,
+            recipe,
+            out_sharding=eqn.params.get("out_sharding"),
           )
         ]
     elif name == "dot_general" and recipe is not None and len(floating) == 2:

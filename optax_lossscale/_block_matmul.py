@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _block_scaled
+from optax_lossscale import _block_scaled, _tree
 
 __all__ = ["MXFP8Matmul", "NVFP4Matmul", "dot_general", "excluded"]
 
@@ -205,14 +205,42 @@ def _canonical(lhs, rhs, dimension_numbers):
 
 
 def dot_general(
-  lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, out_dtype: Any, recipe: Any
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers: Any,
+  out_dtype: Any,
+  recipe: Any,
+  *,
+  out_sharding: Any = None,
 ) -> jax.Array:
   """``lax.dot_general(lhs, rhs, dimension_numbers)`` in ``recipe``'s format.
 
   Forward and backward as the module describes; the result in
-  ``out_dtype``, the cotangents in the operands' dtypes. Not differentiable
-  in forward mode.
+  ``out_dtype``, the cotangents in the operands' dtypes. Under explicit
+  sharding the operands are gathered (each device computes the whole
+  product, so the blocks are those of one device) and the result takes the
+  sharding the ``dot_general`` would give it (``out_sharding``, or JAX's);
+  the cotangents take the operands'.
   """
+  if any(_tree.explicit_spec(x) is not None for x in (lhs, rhs)):
+    kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+    want = jax.eval_shape(
+      lambda a, b: lax.dot_general(a, b, dimension_numbers, **kwargs), lhs, rhs
+    )
+    whole = jax.sharding.PartitionSpec()
+    out = _dot_general(
+      jax.sharding.reshard(lhs, whole),
+      jax.sharding.reshard(rhs, whole),
+      dimension_numbers,
+      out_dtype,
+      recipe,
+    )
+    return jax.sharding.reshard(out, want.sharding.spec)
+  return _dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe)
+
+
+def _dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe):
+  """:func:`dot_general` on operands whose types name no mesh axis."""
   nv = recipe.fmt == "nvfp4"
   tiles = nv and recipe.weight_2d
 

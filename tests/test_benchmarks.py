@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import subprocess
 import sys
 
 import jax
@@ -224,3 +225,25 @@ def test_error_paths_benchmark_runs_and_times_each_path():
   rows = re.findall(r"^\| (\d+) \| [\d.]+ s / [\d.]+ ms \| [\d.]+ s / [\d.]+ ms \| "
                     r"[\d.]+ s \| [\d.]+ s / [\d.]+ ms \|$", out, re.M)  # fmt: skip
   assert rows == ["5", "12"], out
+
+
+@versions.examples
+@versions.block_formats
+@pytest.mark.slow
+def test_block_memory_benchmark_reports_each_matmul():
+  import re
+
+  out = subprocess.run(
+    [
+      sys.executable,
+      os.path.join(_BENCH, "block_memory.py"),
+      *("--batch", "2", "--context", "16"),
+    ],
+    check=True,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  ).stdout
+  rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+)x \|", out, re.M)
+  assert [r[0] for r in rows] == ["bfloat16", "float8", "mxfp8", "nvfp4"], out
+  assert float(rows[0][2]) == 1.0 and all(float(r[1]) > 0 for r in rows), out

@@ -78,17 +78,20 @@ def test_train_lm_example(tmp_path):
 
 
 F8_ROW = re.compile(
-  r"^(float32|bfloat16|float8)\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)\s+([\d.]+)%"
+  r"^(float32|bfloat16|float8|mxfp8|nvfp4)\s+([\d.]+)\s+([\d.]+)\s+([+-][\d.]+)\s+([\d.]+)%"
   r"\s+([+-][\d.]+)\s+(\d+)\s+([\d.]+)$"
 )
 
 
 @versions.examples
 @pytest.mark.slow
-def test_train_lm_float8_example(tmp_path):
+@pytest.mark.parametrize(
+  "recipe", ["float8", pytest.param("nvfp4", marks=versions.block_formats)]
+)
+def test_train_lm_float8_example(tmp_path, recipe):
   stdout = run_example(
     "train_lm_float8.py",
-    *("--steps", 40, "--layers", 1, "--width", 32, "--heads", 2),
+    *("--steps", 40, "--layers", 1, "--width", 32, "--heads", 2, "--recipe", recipe),
     *("--context", 32, "--batch", 16, "--eval-sequences", 8, "--out", tmp_path),
   )
   rows = {}
@@ -104,16 +107,19 @@ def test_train_lm_float8_example(tmp_path):
         skipped=int(skipped),
         ms=float(ms),
       )
-  assert set(rows) == {"float32", "bfloat16", "float8"}, stdout
+  assert set(rows) == {"float32", "bfloat16", recipe}, stdout
   for name, r in rows.items():
     assert math.isfinite(r["val"]) and 0 < r["val"] < math.log(256), (name, r)
     assert 0 < r["acc"] <= 100 and r["ms"] > 0, (name, r)
     # The gaps are what the table says they are: against float32's row.
     assert r["gap"] == pytest.approx(r["val"] - rows["float32"]["val"], abs=2e-4)
     assert r["points"] == pytest.approx(r["acc"] - rows["float32"]["acc"], abs=0.02)
-  assert "float8 is emulated on a CPU" in stdout
-  for name in ("bfloat16", "float8"):  # the record is printed when they skip
+  assert f"{recipe} is emulated on a CPU" in stdout
+  printed = re.search(rf"{recipe} against bfloat16: ([+-][\d.]+) nats", stdout)
+  gap = rows[recipe]["val"] - rows["bfloat16"]["val"]
+  assert printed and float(printed.group(1)) == pytest.approx(gap, abs=2e-4), stdout
+  for name in ("bfloat16", recipe):  # the record is printed when they skip
     printed = f"where the gradients were not finite, {name}:" in stdout
     assert printed == (rows[name]["skipped"] > 0), stdout
-  png = tmp_path / "lm_float8.png"
+  png = tmp_path / f"lm_{recipe}.png"
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
