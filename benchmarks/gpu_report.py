@@ -467,6 +467,16 @@ PRECISIONS = {
     '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="float8")`',
     lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="float8"),
   ),
+  # Block-scaled: emulated (dequantised, multiplied in float32) on every
+  # backend, so these rows measure the emulation's cost.
+  "mxfp8": (
+    '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="mxfp8")` (emulated)',
+    lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="mxfp8"),
+  ),
+  "nvfp4": (
+    '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="nvfp4")` (emulated)',
+    lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="nvfp4"),
+  ),
 }
 
 

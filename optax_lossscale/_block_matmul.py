@@ -19,7 +19,7 @@ forward and the input gradient use the same quantised weight); a 16 x 16
 random Hadamard transform along ``M`` on both operands of the weight
 gradient (fixed signs; ``Hᵀ H = I`` cancels it in exact arithmetic); and
 stochastic rounding of the output gradient's elements. Their random numbers
-come from the recipe's ``seed`` folded with a 32-bit hash of the output
+come from ``key(seed)`` (the recipe's) folded with a 32-bit hash of the output
 gradient's bits: they differ whenever the gradient does (every step) and
 are reproducible from the same inputs.
 """
@@ -100,8 +100,8 @@ class NVFP4Matmul:
       stochastically (to nearest everywhere else, and everywhere when off).
     weight_2d: the weight (the right-hand operand) in 16 x 16 tiles, so the
       forward pass and the input gradient use the same quantised weight.
-    seed: the seed of the random numbers (folded with a hash of each output
-      gradient).
+    seed: an integer; the random numbers are drawn from ``key(seed)``
+      folded with a hash of each output gradient.
     exclude: matmuls kept in the compute dtype, as :class:`MXFP8Matmul`'s;
       by default the output layer, embeddings and ``einsum`` matmuls
       (:data:`NVFP4_EXCLUDE`), as the NVFP4 recipe keeps them.
@@ -154,7 +154,7 @@ def _rotate(x: jax.Array, axis: int) -> jax.Array:
 
 
 def _key(recipe: NVFP4Matmul, g: jax.Array) -> jax.Array:
-  """The step's key: the seed folded with a 32-bit hash of ``g``'s bits."""
+  """The step's key: ``key(recipe.seed)`` folded with a 32-bit hash of ``g``'s bits."""
   bits = lax.bitcast_convert_type(g.astype(_F32), jnp.uint32)
   mixed = bits * jnp.uint32(0x9E3779B1) + jnp.arange(
     bits.size, dtype=jnp.uint32

@@ -74,7 +74,7 @@ def reference(x, w, g, recipe):
   return y, dx, dw
 
 
-def _close(got, want):
+def assert_close(got, want):
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
   scale = np.abs(want).max() + 1e-30
   np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * scale * np.sqrt(want.size))
@@ -113,10 +113,10 @@ def test_the_three_gemms_are_the_reference_recipes(recipe, layout):
   dx, dw = vjp(g)
   x2, w2, g2 = _views(layout, np.asarray(x), np.asarray(w), np.asarray(g))
   want_y, want_dx, want_dw = reference(x2, w2, g2, r)
-  _close(np.asarray(y).reshape(want_y.shape), want_y)
-  _close(np.asarray(dx).reshape(want_dx.shape), want_dx)
+  assert_close(np.asarray(y).reshape(want_y.shape), want_y)
+  assert_close(np.asarray(dx).reshape(want_dx.shape), want_dx)
   dw = np.asarray(dw)
-  _close(dw.T if layout == "weight transposed" else dw, want_dw)
+  assert_close(dw.T if layout == "weight transposed" else dw, want_dw)
 
 
 def test_batch_axes_are_matmuls_of_their_own():
@@ -128,7 +128,7 @@ def test_batch_axes_are_matmuls_of_their_own():
   y = _block_matmul.dot_general(x, w, dn, jnp.float32, r)
   for b in range(3):
     want = reference(np.asarray(x[b]), np.asarray(w[b]), np.zeros((8, 16)), r)[0]
-    _close(y[b], want)
+    assert_close(y[b], want)
 
 
 def test_the_hadamard_transform_cancels_in_exact_arithmetic():

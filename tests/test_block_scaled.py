@@ -185,3 +185,20 @@ def test_errors_name_the_argument():
     ols.block_quantize(jnp.ones((4, 4)), "nvfp4", axis=1, tile_axis=-1)
   with pytest.raises(ValueError, match="must be floating"):
     ols.block_quantize(jnp.ones(4, jnp.int32), "nvfp4")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_edge_inputs(fmt):
+  for empty in (np.zeros((0,), np.float32), np.zeros((3, 0), np.float32)):
+    assert ols.block_quantize(empty, fmt).dequantize().shape == empty.shape
+  with pytest.raises(ValueError, match="out of range for an array of 0 axes"):
+    ols.block_quantize(3.0, fmt)
+  x = np.random.default_rng(6).standard_normal(40).astype(np.float32)
+  want = np.asarray(ols.block_quantize(x, fmt).dequantize())
+  for dtype in (jnp.bfloat16, jnp.float16):  # a half array: its own values
+    low = jnp.asarray(x, dtype)
+    got = ols.block_quantize(low, fmt).dequantize()
+    np.testing.assert_array_equal(
+      got, ols.block_quantize(low.astype(jnp.float32), fmt).dequantize()
+    )
+  np.testing.assert_array_equal(ols.block_quantize(list(x), fmt).dequantize(), want)

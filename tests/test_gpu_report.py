@@ -15,13 +15,14 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import optax_lossscale as ols
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 _SCRIPT = os.path.join(_ROOT, "benchmarks", "gpu_report.py")
-PRECISIONS = ("float32", "bfloat16", "float16", "float8")
+PRECISIONS = ("float32", "bfloat16", "float16", "float8", "mxfp8", "nvfp4")
 
 pytestmark = [
   pytest.mark.slow,
@@ -146,7 +147,10 @@ def test_transformer_table(report):
   assert tuple(rows) == PRECISIONS
   float8_api = "matmul" in inspect.signature(ols.autocast).parameters
   for name, row in rows.items():
-    if name == "float8" and not float8_api:
+    block = hasattr(jnp, "float8_e8m0fnu") and hasattr(jnp, "float4_e2m1fn")
+    if (name == "float8" and not float8_api) or (
+      name in ("mxfp8", "nvfp4") and not block
+    ):
       assert row[1].startswith("error:")  # reported, and the rest still made
       continue
     adam_ms, ours_ms = _number(row[1], "ms"), _number(row[3], "ms")
