@@ -101,12 +101,14 @@ def train(name, params, batches, loss_fn, evaluate, lr, seed):
   def step(params, state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
     updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss
+    params = optax.apply_updates(params, updates)
+    return params, state, loss, ties(params, state)
 
-  losses = []
+  losses, tie_counts = [], []
   for batch in batches:
-    params, state, loss = step(params, state, batch)
+    params, state, loss, t = step(params, state, batch)
     losses.append(loss)
+    tie_counts.append(t)
   # Every dtype kept: the parameters are what is stored (and evaluated).
   assert all(p.dtype == CONFIGS[name][0] for p in jax.tree.leaves(params))
   metrics = evaluate(jax.tree.map(lambda p: p.astype(F32), params))
@@ -116,6 +118,33 @@ def train(name, params, batches, loss_fn, evaluate, lr, seed):
     acc=float(metrics[1]),
     bytes_per_param=per_param,
     final=(params, state),
+    ties=np.asarray(jax.device_get(tie_counts)),
+    n_params=n,
+  )
+
+
+def ties(params, state):
+  """``[ties, ties rounded otherwise than to even]`` after a step.
+
+  For ``master_weights(store="remainder")``: masters whose low 16 bits are
+  exactly 0x8000 (their remainder is -0x8000: rounded away from zero), and
+  of those the ones whose bfloat16 parameter is odd (to nearest even would
+  have rounded the other way). Zeros for other states.
+  """
+  if not isinstance(state, ols.MasterWeightsState):
+    return jnp.zeros(2, jnp.int32)
+  pairs = [
+    (r, p)
+    for r, p in zip(jax.tree.leaves(state.master), jax.tree.leaves(params), strict=True)
+    if r.dtype == jnp.int16
+  ]
+  tie = [r == -0x8000 for r, _ in pairs]
+  odd = [jax.lax.bitcast_convert_type(p, jnp.uint16) & 1 == 1 for _, p in pairs]
+  return jnp.stack(
+    [
+      sum(jnp.sum(t, dtype=jnp.int32) for t in tie),
+      sum(jnp.sum(t & o, dtype=jnp.int32) for t, o in zip(tie, odd, strict=True)),
+    ]
   )
 
 
@@ -212,7 +241,14 @@ def compare(task, steps, seeds, lr):
       )
     a, b = out["bf16 remainder"][-1], out["bf16 float32 copy"][-1]
     differs = np.flatnonzero(a["losses"] != b["losses"])
-    stores.append(int(differs[0]) + 1 if differs.size else None)
+    stores.append(
+      dict(
+        first=int(differs[0]) + 1 if differs.size else None,
+        ties=a["ties"][:, 0].mean(),
+        other=a["ties"][:, 1].mean(),
+        n=a["n_params"],
+      )
+    )
   return out, moments, stores
 
 
@@ -326,11 +362,14 @@ def main(argv=None):
     print("MLP:", flush=True)
     mlp, mlp_moments, mlp_stores = compare(mlp_task, args.mlp_steps, seeds, args.mlp_lr)
     store_rows = [
-      "| model | first step whose loss differs, per seed |",
-      "| --- | --- |",
+      "| model | seed | first step whose loss differs | ties per step | of "
+      "them rounded otherwise than to even | parameters |",
+      "| --- | --- | --- | --- | --- | --- |",
     ] + [
-      f"| {model} | {', '.join(str(d or 'none') for d in st)} |"
+      f"| {model} | {seed} | {d['first'] or 'none'} | {d['ties']:.1f} | "
+      f"{d['other']:.1f} | {d['n']:,} |"
       for model, st in (("transformer", lm_stores), ("MLP", mlp_stores))
+      for seed, d in enumerate(st)
     ]
     moment_rows = [
       "| model | state dtype | increment underflows | nu stagnates | median "
@@ -356,7 +395,9 @@ def main(argv=None):
       "The two stores of master_weights, bf16 remainder against bf16 float32 "
       "copy: the same float32 masters, whose parameters differ only where a "
       "master's low 16 bits are a tie, 0x8000 (the remainder rounds it away "
-      "from zero, the copy to even); from the first such tie the runs part:",
+      "from zero, the copy to even); from the first tie rounded otherwise "
+      "than to even the runs part. Ties counted after each step of the "
+      "remainder run, mean over the steps:",
       "\n".join(store_rows),
       f"Loss curves: {os.path.basename(png)}.",
     ]
