@@ -17,7 +17,9 @@ low-precision elements times one scale:
 An axis whose length is not a multiple of the block is zero-padded. A block
 (or tensor) holding NaN or an infinity dequantises to NaN, so a loss scale
 sees it. Every step is elementwise float32 arithmetic on exact powers of two
-or a rounding conversion, the same on every backend.
+or a rounding conversion, the same on every backend, except for float32
+subnormal inputs (below 2**-126), which a backend that flushes them (XLA's
+CPU backend does) reads as zeros.
 """
 
 from __future__ import annotations
