@@ -27,6 +27,7 @@ are reproducible from the same inputs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any, ClassVar
@@ -51,13 +52,18 @@ NVFP4_EXCLUDE = (r"(^|/)(head|lm_head|output|logits|[Ee]mbed\w*)$", r"->")
 def _check_exclude(exclude: Any) -> Any:
   if callable(exclude):
     return exclude
-  if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude):
+  if not isinstance(exclude, (tuple, list)) or not all(
+    isinstance(p, str) for p in exclude
+  ):
     raise ValueError(
       "`exclude` must be a tuple of regular expressions (matched against a "
       f"matmul's module path, e.g. 'Transformer/head') or a callable, got {exclude!r}."
     )
   for p in exclude:
-    re.compile(p)
+    try:
+      re.compile(p)
+    except re.error as e:
+      raise ValueError(f"`exclude`: {p!r} is not a regular expression: {e}.") from None
   return tuple(exclude)
 
 
@@ -146,11 +152,11 @@ def _rotate(x: jax.Array, axis: int) -> jax.Array:
   n = x.shape[-1]
   pad = -n % 16
   x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-  blocks = x.reshape(*x.shape[:-1], -1, 16)
+  blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
   out = jnp.einsum(
     "...j,jk->...k", blocks, jnp.asarray(_hadamard16()), precision=lax.Precision.HIGHEST
   )
-  return jnp.moveaxis(out.reshape(*x.shape[:-1], -1), -1, axis)
+  return jnp.moveaxis(out.reshape(x.shape), -1, axis)
 
 
 def _key(recipe: NVFP4Matmul, g: jax.Array) -> jax.Array:
@@ -164,9 +170,28 @@ def _key(recipe: NVFP4Matmul, g: jax.Array) -> jax.Array:
   )
 
 
-def _q(x: jax.Array, axis: int, recipe: Any, **kwargs) -> jax.Array:
+def _q(x: jax.Array, axis: int, recipe: Any, *, tile_axis=None, key=None) -> jax.Array:
   """``x`` quantised along ``axis`` and dequantised: the GEMM's operand."""
-  return _block_scaled.block_quantize(x, recipe.fmt, axis, **kwargs).dequantize()
+  return _quantized(x, key, axis, recipe.fmt, tile_axis)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _quantized(x, key, axis, fmt, tile_axis):
+  """The rounding, not differentiable in forward mode: a ``jvp`` or
+  ``jax.hessian`` raises instead of sending tangents through it."""
+  return _block_scaled.block_quantize(
+    x, fmt, axis, tile_axis=tile_axis, key=key
+  ).dequantize()
+
+
+@_quantized.defjvp
+def _quantized_jvp(axis, fmt, tile_axis, primals, tangents):
+  del axis, tile_axis, primals, tangents
+  raise NotImplementedError(
+    f"{fmt} matmuls (autocast(..., matmul={fmt!r})) can be differentiated in "
+    "reverse mode once (jax.grad, jax.vjp), not in forward mode (jax.jvp, "
+    "jax.hessian, a jvp of a gradient)."
+  )
 
 
 def _mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:

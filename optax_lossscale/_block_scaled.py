@@ -9,14 +9,17 @@ low-precision elements times one scale:
   smallest scale, 2**-127), elements rounded to nearest, ties to even;
 * ``"nvfp4"``: blocks of 16, ``float4_e2m1fn`` elements (largest 6), a
   ``float8_e4m3fn`` scale per block, ``e4m3(amax_block / 6 / g)``, and a
-  float32 scale per tensor ``g = amax / (448 * 6)``; elements
+  float32 scale per tensor ``g = max(amax / (448 * 6), 2**-117)`` (the
+  floor keeps every product of scales a normal float32); elements
   ``x / (block scale * g)`` clipped to ±6 and rounded to nearest (ties to
   even) or stochastically with a key; optionally 16 x 16 tiles over two
   axes (a weight quantised so, and its transpose, are the same numbers).
 
 An axis whose length is not a multiple of the block is zero-padded. A block
-(or tensor) holding NaN or an infinity dequantises to NaN, so a loss scale
-sees it. Every step is elementwise float32 arithmetic on exact powers of two
+holding NaN or an infinity dequantises to NaN (with NVFP4 the whole tensor,
+through its scale per tensor), so a loss scale sees it; an MXFP8 entry
+above 248 * 2**120 (about 3.30e38) rounds up to 2**128 and dequantises to
+infinity. Every step is elementwise float32 arithmetic on exact powers of two
 or a rounding conversion, the same on every backend, except for float32
 subnormal inputs (below 2**-126), which a backend that flushes them (XLA's
 CPU backend does) reads as zeros.
@@ -169,7 +172,8 @@ class BlockQuantized:
     else:
       v = q * s.astype(_F32) * self.global_scale
     if self.tile_axis is None:
-      v = v.reshape(*v.shape[:-2], -1)[..., : self.shape[self.axis]]
+      v = v.reshape(*v.shape[:-2], v.shape[-2] * v.shape[-1])
+      v = v[..., : self.shape[self.axis]]
       return jnp.moveaxis(v, -1, self.axis)
     return _untiles(v, self.axis, self.tile_axis, self.shape)
 
@@ -237,17 +241,38 @@ def block_quantize(
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"block_quantize: `x` must be floating, got {x.dtype}.")
   ndim = x.ndim
-  if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+  if ndim == 0:
+    raise ValueError("block_quantize: `x` must have at least one axis, got a scalar.")
+  if (
+    isinstance(axis, bool)
+    or not isinstance(axis, (int, np.integer))
+    or not -ndim <= axis < ndim
+  ):
     raise ValueError(f"`axis` {axis!r} is out of range for an array of {ndim} axes.")
   axis = int(axis) % ndim
   if fmt == "mxfp8" and (tile_axis is not None or key is not None):
     raise ValueError("MXFP8 has no tiles and no stochastic rounding: pass neither.")
   if tile_axis is not None:
-    if not isinstance(tile_axis, (int, np.integer)) or not -ndim <= tile_axis < ndim:
+    if (
+      isinstance(tile_axis, bool)
+      or not isinstance(tile_axis, (int, np.integer))
+      or not -ndim <= tile_axis < ndim
+    ):
       raise ValueError(f"`tile_axis` {tile_axis!r} is out of range for {ndim} axes.")
     tile_axis = int(tile_axis) % ndim
     if tile_axis == axis:
       raise ValueError("`tile_axis` must differ from `axis`.")
+  if key is not None and not (
+    isinstance(key, jax.Array)
+    and (
+      (jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ())
+      or (key.dtype == jnp.uint32 and key.shape == (2,))
+    )
+  ):
+    raise ValueError(
+      "`key` must be one PRNG key (jax.random.key(...) or a raw "
+      f"jax.random.PRNGKey(...)), got {key!r}."
+    )
   x32 = x.astype(_F32)
   if tile_axis is None:
     b = _blocks(x32, axis, spec.block)
@@ -265,9 +290,11 @@ def block_quantize(
     global_scale = None
   else:
     tensor_amax = jnp.max(jnp.abs(x32), initial=0.0)
+    # At least 2**-117, so that a block scale (>= 2**-9) times it is a
+    # normal float32, which no backend flushes to zero.
     global_scale = jnp.where(
       jnp.isfinite(tensor_amax),
-      jnp.where(tensor_amax > 0, tensor_amax / jnp.float32(448.0 * 6.0), 1.0),
+      jnp.maximum(tensor_amax / jnp.float32(448.0 * 6.0), jnp.float32(2.0**-117)),
       jnp.nan,
     ).astype(_F32)
     s = (amax / jnp.float32(6.0) / global_scale).astype(scale_dtype)
@@ -279,7 +306,7 @@ def block_quantize(
     scales = s
   # back to x's layout
   if tile_axis is None:
-    padded = q.reshape(*q.shape[:-2], -1)
+    padded = q.reshape(*q.shape[:-2], q.shape[-2] * q.shape[-1])
     elements = jnp.moveaxis(padded, -1, axis)
     scales = jnp.moveaxis(scales[..., 0], -1, axis)
   else:

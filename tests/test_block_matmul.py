@@ -372,3 +372,48 @@ def test_recipes_check_their_arguments():
     ols.NVFP4Matmul(seed=1.5)
   with pytest.raises(ValueError, match="`exclude` must be a tuple of regular"):
     ols.MXFP8Matmul(exclude="head")
+
+
+@pytest.mark.parametrize("matmul", ["mxfp8", "nvfp4"])
+def test_forward_mode_is_refused_by_name(matmul):
+  params, x = _mlp()
+  f = ols.autocast(_mlp_loss, compute_dtype=jnp.bfloat16, matmul=matmul)
+  with pytest.raises(NotImplementedError, match="not in forward mode"):
+    jax.hessian(f)(params, x)
+
+
+@pytest.mark.parametrize("matmul", ["mxfp8", "nvfp4"])
+def test_an_empty_batch_gives_empty_results(matmul):
+  params, x = _mlp()
+  f = ols.autocast(
+    lambda p, x: jnp.tanh(x @ p["w1"]), compute_dtype=jnp.bfloat16, matmul=matmul
+  )
+  empty = x[:0]
+  assert f(params, empty).shape == (0, 48)
+  g = jax.grad(lambda p, x: jnp.sum(f(p, x)))(params, empty)
+  assert np.all(np.asarray(g["w1"]) == 0)
+
+
+def test_a_non_finite_entry_poisons_its_block_or_nvfp4s_tensor():
+  # MXFP8's scales are per block; NVFP4's scale per tensor makes the whole
+  # operand NaN (still NaN, never a finite number in its place).
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32).at[0, 0].set(jnp.inf)
+  w = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
+  for matmul in ("mxfp8", "nvfp4"):
+    y = ols.autocast(lambda x, w: x @ w, compute_dtype=jnp.bfloat16, matmul=matmul)(
+      x, w
+    )
+    y = np.asarray(y, np.float32)
+    assert np.isnan(y[0]).all(), matmul
+    assert np.isnan(y[1:]).all() == (matmul == "nvfp4"), matmul
+    if matmul == "mxfp8":
+      assert np.isfinite(y[1:]).all()
+
+
+def test_exclude_is_checked():
+  for bad in (None, 3, "head"):
+    with pytest.raises(ValueError, match="`exclude` must be a tuple of regular"):
+      ols.MXFP8Matmul(exclude=bad)
+  with pytest.raises(ValueError, match="is not a regular expression"):
+    ols.NVFP4Matmul(exclude=("(",))

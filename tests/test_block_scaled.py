@@ -55,7 +55,8 @@ def ref_nvfp4(x, tiles=False):
   amax_t = np.max(np.abs(x))
   if not np.isfinite(amax_t):
     return np.full(x.shape, np.nan, np.float32)
-  g = np.float32(amax_t) / np.float32(2688.0) if amax_t > 0 else np.float32(1.0)
+  # at least 2**-117: a block scale times it stays a normal float32
+  g = max(np.float32(amax_t) / np.float32(2688.0), np.float32(2.0**-117))
   r, c = x.shape[-2:] if tiles else (1, x.shape[-1])
   xp = x.reshape(-1, r, c) if tiles else x.reshape(-1, 1, c)
   pr, pc = (-r % 16 if tiles else 0), -c % 16
@@ -84,6 +85,7 @@ def edge_rows(block, largest):
     "zeros": np.zeros(3 * block),
     "1e-30": 1e-30 * rng.standard_normal(3 * block),
     "1e30": 1e30 * rng.standard_normal(3 * block),
+    "1e-36": 1e-36 * rng.standard_normal(3 * block),
     "amax at 2**k * max": np.concatenate(
       [
         [largest * 2.0**3],
@@ -185,14 +187,27 @@ def test_errors_name_the_argument():
     ols.block_quantize(jnp.ones((4, 4)), "nvfp4", axis=1, tile_axis=-1)
   with pytest.raises(ValueError, match="must be floating"):
     ols.block_quantize(jnp.ones(4, jnp.int32), "nvfp4")
+  with pytest.raises(ValueError, match="`axis` True is out of range"):
+    ols.block_quantize(jnp.ones(4), "mxfp8", axis=True)
+  for key in (0, jax.random.split(jax.random.key(0), 3)):
+    with pytest.raises(ValueError, match="`key` must be one PRNG key"):
+      ols.block_quantize(jnp.ones(4), "nvfp4", key=key)
+  ols.block_quantize(jnp.ones(4), "nvfp4", key=jax.random.PRNGKey(0))  # raw: fine
 
 
 @pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
 def test_edge_inputs(fmt):
-  for empty in (np.zeros((0,), np.float32), np.zeros((3, 0), np.float32)):
-    assert ols.block_quantize(empty, fmt).dequantize().shape == empty.shape
-  with pytest.raises(ValueError, match="out of range for an array of 0 axes"):
+  for empty in (np.zeros((0,), np.float32), np.zeros((3, 0)), np.zeros((0, 20))):
+    for axis in (0, -1):
+      got = ols.block_quantize(empty, fmt, axis=axis % empty.ndim).dequantize()
+      assert got.shape == empty.shape
+  with pytest.raises(ValueError, match="at least one axis, got a scalar"):
     ols.block_quantize(3.0, fmt)
+  # a tiny but normal tensor: finite, near its values (NVFP4's scale per
+  # tensor would be a subnormal without its floor)
+  tiny = np.full(16, 1e-36, np.float32)
+  got = np.asarray(ols.block_quantize(tiny, fmt).dequantize())
+  np.testing.assert_allclose(got, tiny, rtol=0.1)
   x = np.random.default_rng(6).standard_normal(40).astype(np.float32)
   want = np.asarray(ols.block_quantize(x, fmt).dequantize())
   for dtype in (jnp.bfloat16, jnp.float16):  # a half array: its own values
@@ -202,3 +217,11 @@ def test_edge_inputs(fmt):
       got, ols.block_quantize(low.astype(jnp.float32), fmt).dequantize()
     )
   np.testing.assert_array_equal(ols.block_quantize(list(x), fmt).dequantize(), want)
+
+
+def test_mxfp8_rounds_up_to_infinity_only_above_248_times_2_to_120():
+  edge = np.float32(248 * 2.0**120)
+  x = np.array([np.nextafter(edge, np.float32(0)), 1.0], np.float32)
+  assert np.isfinite(np.asarray(ols.block_quantize(x, "mxfp8").dequantize())).all()
+  x[0] = edge
+  assert np.isinf(np.asarray(ols.block_quantize(x, "mxfp8").dequantize())[0])
