@@ -101,13 +101,33 @@ def _tiles(x: jax.Array, axis: int, other: int, block: int) -> jax.Array:
   return jnp.moveaxis(x, (-4, -2), (-3, -4))
 
 
-def _untiles(t: jax.Array, axis: int, other: int, shape: tuple) -> jax.Array:
-  """The inverse of :func:`_tiles`, cut back to ``shape``."""
+def _unblocks(b: jax.Array, axis: int, length: int | None = None) -> jax.Array:
+  """The inverse of :func:`_blocks`, cut back to ``length`` (or padded)."""
+  x = b.reshape(*b.shape[:-2], b.shape[-2] * b.shape[-1])
+  if length is not None:
+    x = x[..., :length]
+  return jnp.moveaxis(x, -1, axis)
+
+
+def _untiles(t: jax.Array, axis: int, other: int, shape: tuple | None = None):
+  """The inverse of :func:`_tiles`, cut back to ``shape`` (or padded)."""
   t = jnp.moveaxis(t, (-3, -4), (-4, -2))
   *lead, no, bo, na, ba = t.shape
   x = t.reshape(*lead, no * bo, na * ba)
-  x = x[..., : shape[other], : shape[axis]]
+  if shape is not None:
+    x = x[..., : shape[other], : shape[axis]]
   return jnp.moveaxis(x, (-2, -1), (other, axis))
+
+
+def _axis(name: str, value: Any, ndim: int) -> int:
+  """``value`` as a non-negative axis of ``ndim`` axes, or a ValueError."""
+  if (
+    isinstance(value, bool)
+    or not isinstance(value, (int, np.integer))
+    or not -ndim <= value < ndim
+  ):
+    raise ValueError(f"`{name}` {value!r} is out of range for an array of {ndim} axes.")
+  return int(value) % ndim
 
 
 def round_e2m1(v: jax.Array, key: jax.Array | None = None) -> jax.Array:
@@ -172,9 +192,7 @@ class BlockQuantized:
     else:
       v = q * s.astype(_F32) * self.global_scale
     if self.tile_axis is None:
-      v = v.reshape(*v.shape[:-2], v.shape[-2] * v.shape[-1])
-      v = v[..., : self.shape[self.axis]]
-      return jnp.moveaxis(v, -1, self.axis)
+      return _unblocks(v, self.axis, self.shape[self.axis])
     return _untiles(v, self.axis, self.tile_axis, self.shape)
 
 
@@ -243,23 +261,11 @@ def block_quantize(
   ndim = x.ndim
   if ndim == 0:
     raise ValueError("block_quantize: `x` must have at least one axis, got a scalar.")
-  if (
-    isinstance(axis, bool)
-    or not isinstance(axis, (int, np.integer))
-    or not -ndim <= axis < ndim
-  ):
-    raise ValueError(f"`axis` {axis!r} is out of range for an array of {ndim} axes.")
-  axis = int(axis) % ndim
+  axis = _axis("axis", axis, ndim)
   if fmt == "mxfp8" and (tile_axis is not None or key is not None):
     raise ValueError("MXFP8 has no tiles and no stochastic rounding: pass neither.")
   if tile_axis is not None:
-    if (
-      isinstance(tile_axis, bool)
-      or not isinstance(tile_axis, (int, np.integer))
-      or not -ndim <= tile_axis < ndim
-    ):
-      raise ValueError(f"`tile_axis` {tile_axis!r} is out of range for {ndim} axes.")
-    tile_axis = int(tile_axis) % ndim
+    tile_axis = _axis("tile_axis", tile_axis, ndim)
     if tile_axis == axis:
       raise ValueError("`tile_axis` must differ from `axis`.")
   if key is not None and not (
@@ -306,15 +312,10 @@ def block_quantize(
     scales = s
   # back to x's layout
   if tile_axis is None:
-    padded = q.reshape(*q.shape[:-2], q.shape[-2] * q.shape[-1])
-    elements = jnp.moveaxis(padded, -1, axis)
+    elements = _unblocks(q, axis)
     scales = jnp.moveaxis(scales[..., 0], -1, axis)
   else:
-    t = jnp.moveaxis(q, (-3, -4), (-4, -2))
-    *lead, no, bo, na, ba = t.shape
-    elements = jnp.moveaxis(
-      t.reshape(*lead, no * bo, na * ba), (-2, -1), (tile_axis, axis)
-    )
+    elements = _untiles(q, axis, tile_axis)
     scales = jnp.moveaxis(scales[..., 0, 0], (-2, -1), (axis, tile_axis))
   return BlockQuantized(
     elements, scales, global_scale, fmt, axis, tile_axis, tuple(x.shape)
