@@ -9,10 +9,11 @@ contraction, from the high-precision source (:func:`block_quantize`):
 * input gradient ``dx = dy wᵀ``: ``dy`` and ``w`` along ``N``;
 * weight gradient ``dw = xᵀ dy``: ``x`` and ``dy`` along ``M``.
 
-The quantised operands are dequantised to float32 and multiplied in float32
-(``Precision.HIGHEST``): the numbers of the recipe, the same on every
-backend. The backward pass saves the two operands as they came (their own
-dtypes), as a bfloat16 matmul does, and quantises them again.
+Each GEMM multiplies the quantised operands with float32 accumulation
+(:mod:`~optax_lossscale._block_gemm`): emulated, the same numbers on every
+backend, or natively where a backend's block-scaled GEMM gives them. The
+backward pass saves the two operands as they came (their own dtypes), as a
+bfloat16 matmul does, and quantises them again.
 
 NVFP4 adds to this: 16 x 16 tiles for the weight (``weight_2d``: the
 forward and the input gradient use the same quantised weight); a 16 x 16
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _block_scaled, _tree
+from optax_lossscale import _block_gemm, _block_scaled, _tree
 
 __all__ = ["MXFP8Matmul", "NVFP4Matmul", "dot_general", "excluded"]
 
@@ -67,6 +68,11 @@ def _check_exclude(exclude: Any) -> Any:
   return tuple(exclude)
 
 
+def _check_native(native: Any) -> None:
+  if native is not None and not isinstance(native, (bool, np.bool_)):
+    raise ValueError(f"`native` must be None, True or False, got {native!r}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class MXFP8Matmul:
   """MXFP8 for every matmul :func:`~optax_lossscale.autocast` rewrites.
@@ -81,12 +87,21 @@ class MXFP8Matmul:
     exclude: matmuls kept in the compute dtype: regular expressions
       searched in the matmul's module path (``"Transformer/block_0/Dense_1"``,
       from the jaxpr's name stack), or a callable taking that path.
+    native: ``None``: a GEMM runs on the backend's block-scaled kernel
+      (:func:`jax.nn.scaled_matmul` on a Blackwell GPU) once a probe of its
+      shapes, run when first traced, gives the emulation's numbers, and is
+      emulated otherwise; ``False``: always emulated (bfloat16 operands
+      that hold the quantised values exactly, float32 accumulation);
+      ``True``: native, or a ValueError when traced where that is not
+      possible.
   """
 
   exclude: Any = ()
+  native: bool | None = None
   fmt: ClassVar[str] = "mxfp8"
 
   def __post_init__(self):
+    _check_native(self.native)
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
@@ -111,6 +126,8 @@ class NVFP4Matmul:
     exclude: matmuls kept in the compute dtype, as :class:`MXFP8Matmul`'s;
       by default the output layer, embeddings and ``einsum`` matmuls
       (:data:`NVFP4_EXCLUDE`), as the NVFP4 recipe keeps them.
+    native: as :class:`MXFP8Matmul`'s. The two scales per tensor multiply
+      the GEMM's float32 result, as a native kernel's epilogue does.
   """
 
   random_hadamard: bool = True
@@ -118,9 +135,11 @@ class NVFP4Matmul:
   weight_2d: bool = True
   seed: int = 0
   exclude: Any = NVFP4_EXCLUDE
+  native: bool | None = None
   fmt: ClassVar[str] = "nvfp4"
 
   def __post_init__(self):
+    _check_native(self.native)
     for f in ("random_hadamard", "stochastic_rounding", "weight_2d"):
       if not isinstance(getattr(self, f), (bool, np.bool_)):
         raise ValueError(f"`{f}` must be a bool, got {getattr(self, f)!r}.")
@@ -170,8 +189,8 @@ def _key(recipe: NVFP4Matmul, g: jax.Array) -> jax.Array:
   )
 
 
-def _q(x: jax.Array, axis: int, recipe: Any, *, tile_axis=None, key=None) -> jax.Array:
-  """``x`` quantised along ``axis`` and dequantised: the GEMM's operand."""
+def _q(x: jax.Array, axis: int, recipe: Any, *, tile_axis=None, key=None):
+  """``x`` quantised along ``axis``: a GEMM's operand."""
   return _quantized(x, key, axis, recipe.fmt, tile_axis)
 
 
@@ -179,9 +198,7 @@ def _q(x: jax.Array, axis: int, recipe: Any, *, tile_axis=None, key=None) -> jax
 def _quantized(x, key, axis, fmt, tile_axis):
   """The rounding, not differentiable in forward mode: a ``jvp`` or
   ``jax.hessian`` raises instead of sending tangents through it."""
-  return _block_scaled.block_quantize(
-    x, fmt, axis, tile_axis=tile_axis, key=key
-  ).dequantize()
+  return _block_scaled.block_quantize(x, fmt, axis, tile_axis=tile_axis, key=key)
 
 
 @_quantized.defjvp
@@ -191,12 +208,6 @@ def _quantized_jvp(axis, fmt, tile_axis, primals, tangents):
     f"{fmt} matmuls (autocast(..., matmul={fmt!r})) can be differentiated in "
     "reverse mode once (jax.grad, jax.vjp), not in forward mode (jax.jvp, "
     "jax.hessian, a jvp of a gradient)."
-  )
-
-
-def _mm(a: jax.Array, b: jax.Array, spec: str) -> jax.Array:
-  return jnp.einsum(
-    spec, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=_F32
   )
 
 
@@ -268,6 +279,7 @@ def _dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe):
   """:func:`dot_general` on operands whose types name no mesh axis."""
   nv = recipe.fmt == "nvfp4"
   tiles = nv and recipe.weight_2d
+  gemm = functools.partial(_block_gemm.gemm, native=recipe.native)
 
   def weight(b, axis):  # (B, K, N) along K (forward) or N (input gradient)
     if tiles:
@@ -280,7 +292,7 @@ def _dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe):
 
   def _forward(a, b):
     a3, b3, out_shape, _, _ = _canonical(a, b, dimension_numbers)
-    y = _mm(_q(a3, 2, recipe), weight(b3, 1), "bmk,bkn->bmn")
+    y = gemm(_q(a3, 2, recipe), weight(b3, 1))  # (B, M, N)
     return y.reshape(out_shape).astype(out_dtype), (a, b)
 
   def _backward(saved, g):
@@ -291,13 +303,13 @@ def _dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe):
     k1, k2 = (None, None) if key is None else tuple(jax.random.split(key))
     # input gradient dy wᵀ: contract N
     dg = _q(g3, 2, recipe, key=k1) if nv else _q(g3, 2, recipe)
-    da = _mm(dg, weight(b3, 2), "bmn,bkn->bmk")
+    da = gemm(dg, weight(b3, 2))  # (B, M, K)
     # weight gradient xᵀ dy: contract M (the Hadamard transform along it)
     x, dy = a3, g3
     if nv and recipe.random_hadamard:
       x, dy = _rotate(x.astype(_F32), 1), _rotate(dy.astype(_F32), 1)
     dyq = _q(dy, 1, recipe, key=k2) if nv else _q(dy, 1, recipe)
-    db = _mm(_q(x, 1, recipe), dyq, "bmk,bmn->bkn")
+    db = gemm(_q(x, 1, recipe), dyq)  # (B, K, N)
     return back_a(da).astype(a.dtype), back_b(db).astype(b.dtype)
 
   product.defvjp(_forward, _backward)

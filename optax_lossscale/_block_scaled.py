@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale import _rounding
+
 __all__ = ["FORMATS", "BlockQuantized", "block_quantize", "round_e2m1"]
 
 _F32 = jnp.dtype(jnp.float32)
@@ -52,7 +54,6 @@ FORMATS = {
   "mxfp8": _Format(32, "float8_e4m3fn", 448.0, "float8_e8m0fnu"),
   "nvfp4": _Format(16, "float4_e2m1fn", 6.0, "float8_e4m3fn"),
 }
-_E2M1_GRID = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
 def _format(fmt: Any) -> _Format:
@@ -135,17 +136,18 @@ def round_e2m1(v: jax.Array, key: jax.Array | None = None) -> jax.Array:
 
   To nearest, ties to even (the dtype's own conversion), or, given a
   ``key``, up with probability ``(|v| - lo) / (hi - lo)`` between the two
-  neighbours ``lo <= |v| < hi``: unbiased.
+  neighbours ``lo <= |v| < hi``: unbiased. The random numbers are those of
+  the stochastic rounding of parameters (one Threefry hash per element,
+  ``_rounding.uniform``), computed where they are used.
   """
   if key is None:
     return v.astype(jnp.float4_e2m1fn)
-  grid = jnp.asarray(_E2M1_GRID)
   mag = jnp.abs(v)
-  i = jnp.clip(jnp.searchsorted(grid, mag, side="right") - 1, 0, 6)
-  lo, hi = grid[i], grid[i + 1]
-  p = (mag - lo) / (hi - lo)
-  up = jax.random.uniform(key, v.shape, _F32) < p
-  return (jnp.sign(v) * jnp.where(up, hi, lo)).astype(jnp.float4_e2m1fn)
+  # the grid's spacing: 0.5 below 2, 1 below 4, 2 up to 6
+  step = jnp.where(mag < 2.0, 0.5, jnp.where(mag < 4.0, 1.0, 2.0)).astype(_F32)
+  lo = jnp.floor(mag / step) * step
+  up = _rounding.uniform(key, v.shape) < (mag - lo) / step
+  return (jnp.sign(v) * jnp.where(up, lo + step, lo)).astype(jnp.float4_e2m1fn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,23 +179,8 @@ class BlockQuantized:
     """The float32 values the matmul uses, in ``shape``: elements times their
     block's scale (times the global scale), NaN for a block that held NaN
     or an infinity."""
-    block = FORMATS[self.fmt].block
-    q = self.elements.astype(_F32)
-    if self.tile_axis is None:
-      q = _blocks(q, self.axis, block)
-      s = jnp.moveaxis(self.scales, self.axis, -1)[..., None]
-    else:
-      q = _tiles(q, self.axis, self.tile_axis, block)
-      s = jnp.moveaxis(self.scales, (self.tile_axis, self.axis), (-1, -2))
-      s = s[..., None, None]
-    if self.fmt == "mxfp8":
-      bits = lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)
-      v = jnp.where(bits == 0xFF, jnp.nan, _ldexp(q, bits - 127))
-    else:
-      v = q * s.astype(_F32) * self.global_scale
-    if self.tile_axis is None:
-      return _unblocks(v, self.axis, self.shape[self.axis])
-    return _untiles(v, self.axis, self.tile_axis, self.shape)
+    v = scaled_elements(self, _F32)
+    return v if self.global_scale is None else v * self.global_scale
 
 
 jax.tree_util.register_dataclass(
@@ -201,6 +188,36 @@ jax.tree_util.register_dataclass(
   data_fields=["elements", "scales", "global_scale"],
   meta_fields=["fmt", "axis", "tile_axis", "shape"],
 )
+
+
+def scaled_elements(q: BlockQuantized, dtype: Any) -> jax.Array:
+  """``q``'s elements times their block scales, without NVFP4's scale per
+  tensor, in ``q.shape`` and ``dtype``.
+
+  Exact in bfloat16 as in float32 down to 2**-126 (below it float32 is
+  subnormal too, and flushed by XLA's CPU backend): an element has at most
+  4 significant bits (MXFP8's) or 2 (NVFP4's) and its scale 1 or 4, so a
+  product has at most 6 of bfloat16's 8. Products of two such values are
+  exact in float32, so GEMMs of them accumulating in float32 differ only in
+  the order of their sums.
+  """
+  block = FORMATS[q.fmt].block
+  e = q.elements.astype(_F32)
+  if q.tile_axis is None:
+    e = _blocks(e, q.axis, block)
+    s = jnp.moveaxis(q.scales, q.axis, -1)[..., None]
+  else:
+    e = _tiles(e, q.axis, q.tile_axis, block)
+    s = jnp.moveaxis(q.scales, (q.tile_axis, q.axis), (-1, -2))[..., None, None]
+  if q.fmt == "mxfp8":
+    bits = lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)
+    v = jnp.where(bits == 0xFF, jnp.nan, _ldexp(e, bits - 127))
+  else:
+    v = e * s.astype(_F32)
+  v = v.astype(dtype)
+  if q.tile_axis is None:
+    return _unblocks(v, q.axis, q.shape[q.axis])
+  return _untiles(v, q.axis, q.tile_axis, q.shape)
 
 
 def _mx_exponent(amax: jax.Array) -> jax.Array:

@@ -121,6 +121,13 @@ def draw(key: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
   return (hashed >> np.uint32(32 - 8 * out.itemsize)).astype(out)
 
 
+def uniform(key: jax.Array, shape: tuple) -> jax.Array:
+  """float32 numbers in [0, 1), one per element, each of 24 random bits of
+  :func:`draw`'s hash (elementwise, so it fuses into the rounding)."""
+  bits = draw(key, shape, jnp.float32) >> np.uint32(8)
+  return bits.astype(jnp.float32) * np.float32(2.0**-24)
+
+
 def _dropped(magnitude: jax.Array, dtype: Any) -> Any:
   """How many low float32 bits ``dtype`` does not keep (per element for float16)."""
   if dtype == BF16:  # float32's exponent range: always the low 16

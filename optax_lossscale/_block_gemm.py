@@ -1,0 +1,149 @@
+"""The GEMM of two block-quantised operands: emulated, or a native kernel.
+
+:func:`gemm` multiplies two :class:`~optax_lossscale.BlockQuantized`
+operands of three axes, batched along the first and contracted along their
+blocked axes; the result is ``(B, a's free axis, b's free axis)`` in
+float32.
+
+Emulated, on every backend: each operand's elements times its block scales,
+exact in bfloat16 (:func:`~optax_lossscale._block_scaled.scaled_elements`),
+multiplied with float32 accumulation. NVFP4's scales per tensor multiply
+the result, as a native kernel's epilogue does. bfloat16 operands hold half
+the bytes of float32 ones and run on bfloat16 units (BENCHMARKS.md).
+
+Native: :func:`jax.nn.scaled_matmul` (cuDNN's block-scaled GEMM on
+Blackwell GPUs, compute capability 10 and above) on the elements and block
+scales laid out ``(B, rows, K)``. ``native=None`` uses it for a GEMM's
+shapes only once a probe of those shapes, run when they are first traced,
+gives the emulation's numbers within the order of float32 sums; otherwise
+(another backend, an error, other numbers) the emulation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optax_lossscale import _block_scaled
+from optax_lossscale._block_scaled import BlockQuantized
+
+__all__ = ["gemm", "native_backend"]
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+def native_backend() -> bool:
+  """Whether the default backend has a native block-scaled GEMM: a CUDA GPU
+  of compute capability 10 or above, with :func:`jax.nn.scaled_matmul`."""
+  if not hasattr(jax.nn, "scaled_matmul"):
+    return False
+  device = jax.devices()[0]
+  try:
+    capability = float(getattr(device, "compute_capability", "nan"))
+  except (TypeError, ValueError):
+    return False
+  return device.platform == "gpu" and capability >= 10.0
+
+
+def _native_matmul(lhs, rhs, lhs_scales, rhs_scales):
+  return jax.nn.scaled_matmul(
+    lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=_F32
+  )
+
+
+def _rows(q: BlockQuantized) -> tuple[jax.Array, jax.Array]:
+  """``q``'s elements ``(B, rows, K)`` (``K`` padded to whole blocks) and
+  block scales ``(B, rows, K / block)``, as :func:`jax.nn.scaled_matmul`
+  takes them; a tile's scale repeated for each of its rows."""
+  free = 3 - q.axis
+  e, s = q.elements, q.scales
+  if q.tile_axis is not None:
+    s = jnp.repeat(s, _block_scaled.FORMATS[q.fmt].block, axis=free)
+    e = lax.slice_in_dim(e, 0, q.shape[free], axis=free)
+    s = lax.slice_in_dim(s, 0, q.shape[free], axis=free)
+  if q.axis == 1:
+    e, s = jnp.swapaxes(e, 1, 2), jnp.swapaxes(s, 1, 2)
+  return e, s
+
+
+def _emulated(qa: BlockQuantized, qb: BlockQuantized) -> jax.Array:
+  va, vb = (_block_scaled.scaled_elements(q, jnp.bfloat16) for q in (qa, qb))
+  dims = (((qa.axis,), (qb.axis,)), ((0,), (0,)))
+  return lax.dot_general(va, vb, dims, preferred_element_type=_F32)
+
+
+def _native(qa: BlockQuantized, qb: BlockQuantized) -> jax.Array:
+  (ea, sa), (eb, sb) = _rows(qa), _rows(qb)
+  return _native_matmul(ea, eb, sa, sb)
+
+
+def _layout(q: BlockQuantized) -> tuple:
+  return (q.axis, q.tile_axis, q.shape)
+
+
+@functools.cache
+def _probe(fmt: str, a: tuple, b: tuple, backend: str) -> str | None:
+  """``None`` if the native GEMM gives the emulation's numbers on random
+  operands of these layouts (a block scale per block from 2**-8 to 2**8
+  times apart, and an all-zero block), else why not."""
+  del backend  # part of the cache's key
+  rng = np.random.default_rng(0)
+
+  def operand(layout):
+    axis, tile_axis, shape = layout
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, shape))
+    x[(0,) * len(shape)] = 0.0
+    return _block_scaled.block_quantize(
+      jnp.asarray(x, _F32), fmt, axis, tile_axis=tile_axis
+    )
+
+  try:
+    with jax.ensure_compile_time_eval():
+      qa, qb = operand(a), operand(b)
+      # compiled afresh: the kernel is whatever _native_matmul is now
+      got = np.asarray(jax.jit(lambda a, b: _native(a, b))(qa, qb), np.float64)
+      want = np.asarray(jax.jit(lambda a, b: _emulated(a, b))(qa, qb), np.float64)
+      va, vb = (
+        np.abs(np.asarray(_block_scaled.scaled_elements(q, _F32), np.float64))
+        for q in (qa, qb)
+      )
+  except Exception as e:  # noqa: BLE001 (a kernel that will not compile)
+    return f"the native GEMM failed: {type(e).__name__}: {e}"
+  k = a[2][a[0]]
+  bound = np.einsum(
+    "bij,bjk->bik",
+    np.moveaxis(va, (0, a[0]), (0, 2)).reshape(va.shape[0], -1, k),
+    np.moveaxis(vb, (0, b[0]), (0, 1)).reshape(vb.shape[0], k, -1),
+  )
+  if np.all(np.abs(got - want) <= 2 * k * 2.0**-24 * bound):
+    return None
+  return "the native GEMM's numbers differ from the emulation's"
+
+
+def gemm(qa: BlockQuantized, qb: BlockQuantized, native: bool | None) -> jax.Array:
+  """The float32 product of two quantised operands (see the module).
+
+  Args:
+    qa, qb: operands of three axes, quantised along the axis they contract
+      (1 or 2); axis 0 is the batch.
+    native: ``None``: the native GEMM where :func:`native_backend` and the
+      probe agree, else the emulation; ``False``: the emulation; ``True``:
+      the native GEMM, or a ValueError where there is none or its numbers
+      differ.
+  """
+  use = False
+  if native is not False:
+    why = "this backend has none (a Blackwell GPU has one)"
+    if native_backend():
+      why = _probe(qa.fmt, _layout(qa), _layout(qb), jax.default_backend())
+    if native and why is not None:
+      raise ValueError(f"native=True: no native {qa.fmt} GEMM to use: {why}.")
+    use = why is None
+  y = _native(qa, qb) if use else _emulated(qa, qb)
+  if qa.global_scale is not None:
+    y = y * (qa.global_scale * qb.global_scale)
+  return y

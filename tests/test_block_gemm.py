@@ -1,0 +1,168 @@
+"""The block-scaled GEMM: native where it agrees, the emulation elsewhere.
+
+On a backend without a native block-scaled GEMM (this one, unless it is a
+Blackwell GPU), ``native=True`` is refused by name and ``None`` emulates.
+The dispatch itself is tested here by standing JAX's ``lax.scaled_dot``
+(the composite XLA replaces with a native kernel where it has one, and
+decomposes elsewhere) in for :func:`jax.nn.scaled_matmul`: the operands
+and block scales the native path lays out ``(B, rows, K)`` give the
+emulation's numbers for every recipe, layout and GEMM; a stand-in that
+gives other numbers, or fails, is caught by the probe and not used. Where a
+native kernel exists, the last test compares it with the emulation.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import versions
+from jax import lax
+from test_block_matmul import LAYOUTS, RECIPES, assert_close
+
+import optax_lossscale as ols
+from optax_lossscale import _block_gemm, _block_matmul
+
+pytestmark = versions.block_formats
+has_scaled_dot = pytest.mark.skipif(
+  not hasattr(lax, "scaled_dot"), reason="this JAX has no lax.scaled_dot"
+)
+CANONICAL = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
+
+
+def scaled_dot(lhs, rhs, lhs_scales, rhs_scales):
+  return lax.scaled_dot(
+    lhs,
+    rhs,
+    lhs_scale=lhs_scales,
+    rhs_scale=rhs_scales,
+    dimension_numbers=CANONICAL,
+    preferred_element_type=jnp.float32,
+  )
+
+
+def ignores_scales(lhs, rhs, lhs_scales, rhs_scales):
+  del lhs_scales, rhs_scales
+  return lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), CANONICAL)
+
+
+def fails(*args):
+  raise RuntimeError("no kernel for these shapes")
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+  """Makes this backend look native, with the given function as the kernel."""
+
+  def use(fn):
+    _block_gemm._probe.cache_clear()
+    monkeypatch.setattr(_block_gemm, "native_backend", lambda: True)
+    monkeypatch.setattr(_block_gemm, "_native_matmul", fn)
+
+  yield use
+  _block_gemm._probe.cache_clear()
+
+
+def _primitives(jaxpr):
+  names = set()
+  for e in jaxpr.eqns:
+    names.add(e.primitive.name)
+    for p in e.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else [p]:
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None:
+          names |= _primitives(inner if hasattr(inner, "eqns") else inner.jaxpr)
+  return names
+
+
+def _three_gemms(recipe, layout, seed=0):
+  """(y, dx, dw) of the layout's dot_general in ``recipe``, and the jaxpr."""
+  ls, rs, dn = LAYOUTS[layout]
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal(ls), jnp.float32)
+  w = jnp.asarray(rng.standard_normal(rs) * 0.1, jnp.float32)
+  out = jax.eval_shape(lambda: lax.dot_general(x, w, dn))
+  g = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+
+  def f(x, w, g):
+    y, vjp = jax.vjp(
+      lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, recipe), x, w
+    )
+    return (y, *vjp(g))
+
+  return jax.jit(f)(x, w, g), jax.make_jaxpr(f)(x, w, g).jaxpr
+
+
+@pytest.mark.skipif(_block_gemm.native_backend(), reason="this backend has one")
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_native_true_is_refused_without_a_native_gemm(fmt):
+  cls = ols.MXFP8Matmul if fmt == "mxfp8" else ols.NVFP4Matmul
+  recipe = cls(native=True)
+  with pytest.raises(ValueError, match=f"native=True: no native {fmt} GEMM.*has none"):
+    _three_gemms(recipe, "plain")
+  # None emulates: the jaxpr multiplies bfloat16 values with dot_general
+  (y, _, _), jaxpr = _three_gemms(dataclasses.replace(recipe, native=None), "plain")
+  assert "scaled_dot" not in _primitives(jaxpr) and np.isfinite(y).all()
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.0])
+def test_native_must_be_none_or_a_bool(bad):
+  for cls in (ols.MXFP8Matmul, ols.NVFP4Matmul):
+    with pytest.raises(ValueError, match="`native` must be None, True or False"):
+      cls(native=bad)
+
+
+@has_scaled_dot
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_native_layout_gives_the_emulations_numbers(stand_in, recipe, layout):
+  r = RECIPES[recipe]
+  emulated, jaxpr = _three_gemms(dataclasses.replace(r, native=False), layout)
+  assert "scaled_dot" not in _primitives(jaxpr)
+  stand_in(scaled_dot)
+  for native in (None, True):
+    got, jaxpr = _three_gemms(dataclasses.replace(r, native=native), layout)
+    assert "scaled_dot" in _primitives(jaxpr)  # dispatched
+    for a, b in zip(got, emulated, strict=True):
+      assert_close(a, b)
+
+
+@has_scaled_dot
+def test_the_probe_is_run_once_per_layout(stand_in):
+  stand_in(scaled_dot)
+  r = ols.NVFP4Matmul(stochastic_rounding=False)
+  _three_gemms(r, "plain")
+  first = _block_gemm._probe.cache_info()
+  assert first.misses == 3  # forward, input gradient, weight gradient
+  _three_gemms(r, "plain", seed=1)  # other values, the same shapes
+  assert _block_gemm._probe.cache_info().misses == 3
+
+
+@pytest.mark.parametrize(
+  "kernel, why",
+  [(ignores_scales, "numbers differ"), (fails, "RuntimeError: no kernel")],
+)
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4 2d hadamard"])
+def test_a_native_gemm_that_disagrees_is_not_used(stand_in, recipe, kernel, why):
+  r = RECIPES[recipe]
+  emulated, _ = _three_gemms(dataclasses.replace(r, native=False), "ragged contraction")
+  stand_in(kernel)
+  got, jaxpr = _three_gemms(r, "ragged contraction")
+  for a, b in zip(got, emulated, strict=True):
+    np.testing.assert_array_equal(a, b)  # the emulation, bit for bit
+  with pytest.raises(ValueError, match=f"native=True: no native .*{why}"):
+    _three_gemms(dataclasses.replace(r, native=True), "ragged contraction")
+
+
+@pytest.mark.skipif(
+  not _block_gemm.native_backend(), reason="no native block-scaled GEMM here"
+)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_backends_native_gemm(recipe, layout):
+  r = RECIPES[recipe]
+  emulated, _ = _three_gemms(dataclasses.replace(r, native=False), layout)
+  got, _ = _three_gemms(dataclasses.replace(r, native=True), layout)
+  for a, b in zip(got, emulated, strict=True):
+    assert_close(a, b)
