@@ -66,6 +66,7 @@ import optax_lossscale as ols  # noqa: E402
 
 #: The custom call XLA's GPU backend emits for a float8 GEMM on cuBLASLt.
 F8_GEMM = "__cublas$lt$matmul$f8"
+BLOCK_GEMM = "__op$block_scaled_dot"  # jax.nn.scaled_matmul's native GEMM
 SECTIONS = ("tests", "bench", "transformer")
 #: Update steps of bench.py that need a package beyond optax_lossscale's own.
 PEER_PACKAGES = {
@@ -467,14 +468,14 @@ PRECISIONS = {
     '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="float8")`',
     lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="float8"),
   ),
-  # Block-scaled: emulated (dequantised, multiplied in float32) on every
-  # backend, so these rows measure the emulation's cost.
+  # Block-scaled: native GEMMs where the GPU has them and they agree with the
+  # emulation, else emulated (bfloat16 GEMMs); the report counts the native.
   "mxfp8": (
-    '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="mxfp8")` (emulated)',
+    '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="mxfp8")`',
     lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="mxfp8"),
   ),
   "nvfp4": (
-    '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="nvfp4")` (emulated)',
+    '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="nvfp4")`',
     lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="nvfp4"),
   ),
 }
@@ -504,6 +505,7 @@ def measure_precision(loss_fn, params, batch, args):
     hlo = r.pop("compiled").as_text()
     r["f8_gemms"] = hlo.count(F8_GEMM)
     r["f8_types"] = "f8e4m3" in hlo or "f8e5m2" in hlo
+    r["block_gemms"] = hlo.count(BLOCK_GEMM)
     r.pop("carry")
   return result
 
@@ -609,6 +611,17 @@ def transformer(args, backend):
     lines.append(
       "The same count in the other rows' steps (should be 0): "
       + ", ".join(f"{n} {c}" for n, c in others.items())
+      + "."
+    )
+  blocks = {n: results[n] for n in ("mxfp8", "nvfp4") if n in results}
+  if blocks:
+    lines.append(
+      f"Native block-scaled GEMMs (`{BLOCK_GEMM}` custom calls) in the loss-scaled "
+      "step (0: emulated with bfloat16 GEMMs): "
+      + ", ".join(
+        f"{n} " + ("failed" if "error" in r else str(r["scaled"]["block_gemms"]))
+        for n, r in blocks.items()
+      )
       + "."
     )
   if backend == "cpu":

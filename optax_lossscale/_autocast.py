@@ -17,7 +17,7 @@ The lists live in ``_autocast_lists``. A matmul whose result is only ever
 read in float32 (its consumers, through the ops that follow their inputs'
 dtype, are deny-list ops or conversions to float32: attention's logits
 before the softmax) accumulates and returns float32 itself
-(:func:`_float32_results`), so that no half intermediate exists to
+(``_autocast_rules.float32_results``), so that no half intermediate exists to
 overflow.
 """
 
@@ -39,55 +39,14 @@ from optax_lossscale._autocast_lists import (
   DENY_LIST,
   INFER_LIST,
 )
+from optax_lossscale._autocast_rules import (
+  CUSTOM_CALLS,
+  Rules,
+  float32_results,
+  in_float32,
+  is_float,
+)
 from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr, Literal
-
-# Custom-derivative calls: their bodies are rewritten, their rules kept.
-_CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
-
-
-def _is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating)
-
-
-class _Rules:
-  """The four lists, checked once, the half dtype and the float8 recipe."""
-
-  def __init__(self, half, allow, deny, infer, clear, matmul=None):
-    self.half = _dtypes.float_dtype(
-      "compute_dtype",
-      half,
-      allowed=(jnp.float16, jnp.bfloat16),
-      float8_hint="A float8 compute dtype would cast every operation to float8: for "
-      "float8 matmuls keep a 16-bit compute dtype and pass matmul='float8' (or "
-      "an ols.Float8Matmul), e.g. autocast(f, compute_dtype=jnp.bfloat16, "
-      "matmul='float8').",
-    )
-    self.float8 = _float8.as_recipe(matmul)
-    self.lists = {}
-    for name, prims in (
-      ("allow", allow),
-      ("deny", deny),
-      ("infer", infer),
-      ("clear", clear),
-    ):
-      prims = frozenset(prims)
-      if not all(isinstance(p, str) for p in prims):
-        raise ValueError(
-          f"`{name}` must hold primitive names (strings), got {prims!r}."
-        )
-      for other, seen in self.lists.items():
-        both = prims & seen
-        if both:
-          raise ValueError(
-            f"Primitive(s) {sorted(both)} are in both `{other}` and `{name}`."
-          )
-      self.lists[name] = prims
-
-  def kind(self, name: str) -> str:
-    for kind, prims in self.lists.items():
-      if name in prims:
-        return kind
-    return "deny"
 
 
 def _is_static(x: Any) -> bool:
@@ -122,90 +81,22 @@ def _cast(x, dtype):
   return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
-def _body(eqn) -> tuple[Jaxpr, list[Any]] | None:
-  """The body of a call whose invars and outvars are the equation's, or None."""
-  found = _jaxpr.call_body(eqn)
-  if found is not None:
-    return found
-  name = eqn.primitive.name
-  if name in _CUSTOM_CALLS:
-    key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
-    return _jaxpr.closed(eqn.params[key])
-  if name in ("remat", "remat2", "checkpoint"):
-    return _jaxpr.closed(eqn.params["jaxpr"])
-  return None
-
-
-def _float32_results(jaxpr: Jaxpr, out_float32: Iterable[bool], rules: _Rules) -> dict:
-  """For each variable of ``jaxpr``: is every reader of its value in float32?
-
-  A variable is read in float32 when each of its uses is a deny-list (or
-  unlisted) primitive, a conversion to float32 or wider, an infer or clear
-  primitive whose own results are read in float32 (they follow their
-  inputs' dtype), the input of a call whose body reads it so, or an output
-  of ``jaxpr`` marked in ``out_float32``. A use by an allow-list primitive
-  (another matmul: it reads half) or by a loop or branch (not analysed)
-  is not. Computed backwards, uses before definitions.
-  """
-  verdicts: dict[Any, list[bool]] = {}
-
-  def note(v, verdict):
-    if isinstance(v, _jaxpr.Var):
-      verdicts.setdefault(v, []).append(verdict)
-
-  def read_in_float32(v):
-    return all(verdicts.get(v, [True]))
-
-  for v, wanted in zip(jaxpr.outvars, out_float32, strict=True):
-    note(v, wanted)
-  for eqn in reversed(jaxpr.eqns):
-    name = eqn.primitive.name
-    kind = rules.kind(name)
-    body = _body(eqn)
-    if body is not None:
-      inner = _float32_results(
-        body[0], [read_in_float32(v) for v in eqn.outvars], rules
-      )
-      for v, b in zip(eqn.invars, body[0].invars, strict=True):
-        note(v, _in_float32(inner, b))
-      continue
-    if name == "convert_element_type":
-      target = jnp.dtype(eqn.params["new_dtype"])
-      verdict = _is_float(target) and target.itemsize >= 4
-    elif any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in eqn.params.values()):
-      verdict = False  # scan, while, cond: not analysed
-    elif kind == "allow":
-      verdict = False
-    elif kind in ("infer", "clear"):
-      verdict = all(read_in_float32(v) for v in eqn.outvars)
-    else:  # deny, or unlisted: float32
-      verdict = True
-    for v in eqn.invars:
-      note(v, verdict)
-  return {v: all(vs) for v, vs in verdicts.items()}
-
-
-def _in_float32(results: dict, v) -> bool:
-  """Whether ``v`` is read in float32 (a variable nobody reads: yes)."""
-  return results.get(v, True)
-
-
 def _eval(
   jaxpr: Jaxpr,
   consts: Iterable[Any],
   args: Iterable[Any],
-  rules: _Rules,
+  rules: Rules,
   out_float32: Iterable[bool] | None = None,
 ):
   """The rewritten values of ``jaxpr``'s outputs.
 
   ``out_float32`` says, per output, whether whoever reads it reads it in
-  float32 (from the enclosing jaxpr's :func:`_float32_results`); the
+  float32 (from the enclosing jaxpr's :func:`float32_results`); the
   function's own outputs are not (they come back in ``fun``'s dtypes).
   """
   if out_float32 is None:
     out_float32 = [False] * len(jaxpr.outvars)
-  float32 = _float32_results(jaxpr, out_float32, rules)
+  float32 = float32_results(jaxpr, out_float32, rules)
 
   def eval_eqn(eqn, invals):
     return _eval_eqn(eqn, [jnp.asarray(x) for x in invals], rules, float32)
@@ -222,7 +113,7 @@ def _module_path() -> str:
   return "/".join(s for s in _SCOPE if s)
 
 
-def _eval_eqn(eqn, invals, rules: _Rules, float32: dict):
+def _eval_eqn(eqn, invals, rules: Rules, float32: dict):
   _SCOPE.append(str(eqn.source_info.name_stack))
   try:
     return _eval_eqn_in_scope(eqn, invals, rules, float32)
@@ -230,14 +121,14 @@ def _eval_eqn(eqn, invals, rules: _Rules, float32: dict):
     _SCOPE.pop()
 
 
-def _eval_eqn_in_scope(eqn, invals, rules: _Rules, float32: dict):
+def _eval_eqn_in_scope(eqn, invals, rules: Rules, float32: dict):
   name = eqn.primitive.name
   params = eqn.params
   body = _jaxpr.call_body(eqn)
-  outs_float32 = [_in_float32(float32, v) for v in eqn.outvars]
+  outs_float32 = [in_float32(float32, v) for v in eqn.outvars]
   if body is not None:
     return _eval(*body, invals, rules, outs_float32)
-  if name in _CUSTOM_CALLS:
+  if name in CUSTOM_CALLS:
     return _custom_call(eqn, invals, rules, outs_float32)
   if name in ("remat", "remat2", "checkpoint"):
     sub, consts = _jaxpr.closed(params["jaxpr"])
@@ -261,7 +152,7 @@ def _eval_eqn_in_scope(eqn, invals, rules: _Rules, float32: dict):
   return _first_order(eqn, invals, rules, all(outs_float32))
 
 
-def _custom_call(eqn, invals, rules: _Rules, outs_float32: list[bool]):
+def _custom_call(eqn, invals, rules: Rules, outs_float32: list[bool]):
   """A ``custom_jvp``/``custom_vjp`` call: its primal rewritten, its rule kept.
 
   The call runs with its inputs in the dtypes the function gave them and
@@ -282,14 +173,14 @@ def _custom_call(eqn, invals, rules: _Rules, outs_float32: list[bool]):
   return _jaxpr.bind(eqn, invals, {key: rewritten})
 
 
-def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
+def _first_order(eqn, invals, rules: Rules, read_in_float32: bool = False):
   name = eqn.primitive.name
   kind = rules.kind(name)
   if name == "mul" and eqn.invars[0] is eqn.invars[1]:
     kind = rules.kind("square")  # x * x is square(x), and x ** 2: one rule
   half = rules.half
   original = [v.aval.dtype for v in eqn.invars]
-  floating = [i for i, x in enumerate(invals) if _is_float(x.dtype)]
+  floating = [i for i, x in enumerate(invals) if is_float(x.dtype)]
   params = {}
 
   if name == "convert_element_type":
@@ -302,13 +193,13 @@ def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
     # A result type wider than every input is the user's own choice (a float32
     # accumulation of half inputs, as jax.nn.dot_product_attention's logits):
     # kept. Otherwise it is the default, and the result is half too.
-    if pet is not None and _is_float(pet) and jnp.dtype(pet).itemsize <= widest:
+    if pet is not None and is_float(pet) and jnp.dtype(pet).itemsize <= widest:
       params["preferred_element_type"] = half
     if read_in_float32 and "preferred_element_type" in eqn.params:
       # Every reader converts to float32 anyway: accumulate and return float32,
       # so no half result exists to overflow (attention's logits).
       f32 = jnp.dtype(jnp.float32)
-      if pet is None or not _is_float(pet) or jnp.dtype(pet).itemsize < 4:
+      if pet is None or not is_float(pet) or jnp.dtype(pet).itemsize < 4:
         params["preferred_element_type"] = f32
       else:
         params.pop("preferred_element_type", None)
@@ -339,7 +230,7 @@ def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
         )
       ]
   elif kind == "deny":
-    targets = {i: original[i] for i in floating if _is_float(original[i])}
+    targets = {i: original[i] for i in floating if is_float(original[i])}
   else:  # infer and clear: half only if every (non-follower) float input is
     leaders = [i for i in floating if not _follower(eqn.invars[i], invals[i])]
     if kind == "clear" and len(leaders) <= 1 and len(floating) <= 1:
@@ -349,7 +240,7 @@ def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
       targets = {
         i: (half if all_half else original[i])
         for i in floating
-        if _is_float(original[i])
+        if is_float(original[i])
       }
   cast: dict[tuple[int, Any], Any] = {}  # one conversion per value and dtype
 
@@ -366,8 +257,7 @@ def _first_order(eqn, invals, rules: _Rules, read_in_float32: bool = False):
 
 def _match(values, dtypes):
   return [
-    _cast(x, d) if _is_float(x.dtype) else x
-    for x, d in zip(values, dtypes, strict=True)
+    _cast(x, d) if is_float(x.dtype) else x for x, d in zip(values, dtypes, strict=True)
   ]
 
 
@@ -503,7 +393,7 @@ def autocast(
     read by ``exp`` alone: float32 from its half inputs.
   """
   half = _dtypes.default_half_dtype() if compute_dtype is None else compute_dtype
-  rules = _Rules(half, allow, deny, infer, clear, matmul)
+  rules = Rules(half, allow, deny, infer, clear, matmul)
 
   def rewritten(static, treedef, *arrays):
     """``fun`` on the array leaves, its jaxpr evaluated by the rules."""
@@ -515,7 +405,7 @@ def autocast(
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
     outs = _eval(closed.jaxpr, closed.consts, arrays, rules)
     outs = [
-      _cast(x, s.dtype) if _is_float(x.dtype) and _is_float(s.dtype) else x
+      _cast(x, s.dtype) if is_float(x.dtype) and is_float(s.dtype) else x
       for x, s in zip(outs, jax.tree.leaves(out_shape), strict=True)
     ]
     return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

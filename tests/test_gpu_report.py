@@ -180,3 +180,18 @@ def test_transformer_table(report):
   if jax.default_backend() == "cpu":
     assert int(hlo[1]) == int(hlo[2]) == 0
     assert "float8 is only emulated here" in text
+
+
+def test_native_block_gemm_count(report):
+  text = _section(report, 4)
+  if not (hasattr(jnp, "float8_e8m0fnu") and hasattr(jnp, "float4_e2m1fn")):
+    assert "mxfp8 failed, nvfp4 failed." in text
+    return
+  line = re.search(
+    r"Native block-scaled GEMMs \(`__op\$block_scaled_dot` custom calls\) in the "
+    r"loss-scaled step \(0: emulated with bfloat16 GEMMs\): mxfp8 (\d+), nvfp4 (\d+)\.",
+    text,
+  )
+  assert line, "no native block-scaled GEMM line"
+  if jax.default_backend() == "cpu":  # no native GEMM: every one emulated
+    assert int(line[1]) == int(line[2]) == 0
