@@ -201,8 +201,12 @@ def main(argv=None):
   print(
     f"\nval loss and accuracy: next-byte cross-entropy (nats) and exact-prediction "
     f"rate on {cfg.eval_sequences} held-out sequences after {cfg.steps} steps, "
-    f"computed in float32. ms/step: median train-step time on {jax.devices()[0]} "
-    f"({cfg.recipe} is emulated on a CPU)."
+    f"computed in float32. ms/step: median train-step time on {jax.devices()[0]}"
+    + (
+      f" ({cfg.recipe} is emulated on a CPU)."
+      if jax.default_backend() == "cpu"
+      else "."
+    )
   )
   last = results[-1]
   print(

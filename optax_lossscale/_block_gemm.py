@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from optax_lossscale import _block_scaled
@@ -88,40 +87,38 @@ def _layout(q: BlockQuantized) -> tuple:
 @functools.cache
 def _probe(fmt: str, a: tuple, b: tuple, backend: str) -> str | None:
   """``None`` if the native GEMM gives the emulation's numbers on random
-  operands of these layouts (a block scale per block from 2**-8 to 2**8
-  times apart, and an all-zero block), else why not."""
+  operands of these layouts (block scales from 2**-8 to 2**8 times apart,
+  and an all-zero block), else why not. One jitted computation on the
+  device, compiled afresh (the kernel is whatever ``_native_matmul`` is now)."""
   del backend  # part of the cache's key
-  rng = np.random.default_rng(0)
 
-  def operand(layout):
+  def operand(key, layout):
     axis, tile_axis, shape = layout
-    x = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 9, shape))
-    x[(0,) * len(shape)] = 0.0
-    return _block_scaled.block_quantize(
-      jnp.asarray(x, _F32), fmt, axis, tile_axis=tile_axis
+    k1, k2 = jax.random.split(key)
+    x = jax.random.normal(k1, shape) * jnp.exp2(
+      jax.random.randint(k2, shape, -8, 9).astype(_F32)
     )
+    x = x.at[(0,) * len(shape)].set(0.0)
+    return _block_scaled.block_quantize(x, fmt, axis, tile_axis=tile_axis)
+
+  def agrees(key):
+    ka, kb = jax.random.split(key)
+    qa, qb = operand(ka, a), operand(kb, b)
+    absolute = [jnp.abs(_block_scaled.scaled_elements(q, _F32)) for q in (qa, qb)]
+    dims = (((qa.axis,), (qb.axis,)), ((0,), (0,)))
+    bound = lax.dot_general(
+      *absolute, dims, precision=lax.Precision.HIGHEST, preferred_element_type=_F32
+    )
+    k = a[2][a[0]]
+    error = jnp.abs(_native(qa, qb) - _emulated(qa, qb))
+    return jnp.all(error <= 2 * k * 2.0**-24 * bound)
 
   try:
     with jax.ensure_compile_time_eval():
-      qa, qb = operand(a), operand(b)
-      # compiled afresh: the kernel is whatever _native_matmul is now
-      got = np.asarray(jax.jit(lambda a, b: _native(a, b))(qa, qb), np.float64)
-      want = np.asarray(jax.jit(lambda a, b: _emulated(a, b))(qa, qb), np.float64)
-      va, vb = (
-        np.abs(np.asarray(_block_scaled.scaled_elements(q, _F32), np.float64))
-        for q in (qa, qb)
-      )
+      ok = bool(jax.jit(lambda key: agrees(key))(jax.random.key(0)))
   except Exception as e:  # noqa: BLE001 (a kernel that will not compile)
     return f"the native GEMM failed: {type(e).__name__}: {e}"
-  k = a[2][a[0]]
-  bound = np.einsum(
-    "bij,bjk->bik",
-    np.moveaxis(va, (0, a[0]), (0, 2)).reshape(va.shape[0], -1, k),
-    np.moveaxis(vb, (0, b[0]), (0, 1)).reshape(vb.shape[0], k, -1),
-  )
-  if np.all(np.abs(got - want) <= 2 * k * 2.0**-24 * bound):
-    return None
-  return "the native GEMM's numbers differ from the emulation's"
+  return None if ok else "the native GEMM's numbers differ from the emulation's"
 
 
 def gemm(qa: BlockQuantized, qb: BlockQuantized, native: bool | None) -> jax.Array:
