@@ -21,10 +21,9 @@ gives the emulation's numbers within the order of float32 sums; otherwise
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optax_lossscale import _block_scaled
@@ -84,41 +83,60 @@ def _layout(q: BlockQuantized) -> tuple:
   return (q.axis, q.tile_axis, q.shape)
 
 
-@functools.cache
+#: (fmt, layouts, backend) -> None (native agrees) or why not; failures that
+#: may pass (an exception: out of memory, a transfer guard) are not kept.
+_VERDICTS: dict[tuple, str | None] = {}
+
+
 def _probe(fmt: str, a: tuple, b: tuple, backend: str) -> str | None:
   """``None`` if the native GEMM gives the emulation's numbers on random
-  operands of these layouts (block scales from 2**-8 to 2**8 times apart,
-  and an all-zero block), else why not. One jitted computation on the
-  device, compiled afresh (the kernel is whatever ``_native_matmul`` is now)."""
-  del backend  # part of the cache's key
+  operands of these layouts, else why not: block scales from 2**-8 to 2**8
+  times apart and an all-zero block; then the same with a NaN, which must
+  make the same entries NaN. One jitted computation on the device, compiled
+  afresh (the kernel is whatever ``_native_matmul`` is now)."""
+  key = (fmt, a, b, backend)
+  if key in _VERDICTS:
+    return _VERDICTS[key]
+  block = _block_scaled.FORMATS[fmt].block
 
-  def operand(key, layout):
+  def operand(key, layout, nan):
     axis, tile_axis, shape = layout
     k1, k2 = jax.random.split(key)
     x = jax.random.normal(k1, shape) * jnp.exp2(
       jax.random.randint(k2, shape, -8, 9).astype(_F32)
     )
-    x = x.at[(0,) * len(shape)].set(0.0)
+    # a block (or a tile) of zeros, unless it would be the whole operand
+    zero = np.zeros(shape, bool)
+    at = [0, slice(None), slice(None)]
+    at[axis], free = slice(0, block), 3 - axis
+    at[free] = slice(0, block) if tile_axis is not None else slice(-1, None)
+    zero[tuple(at)] = True
+    if not zero.all():
+      x = jnp.where(zero, 0.0, x)
+    if nan:
+      x = x.at[0, -1, -1].set(jnp.nan)
     return _block_scaled.block_quantize(x, fmt, axis, tile_axis=tile_axis)
 
-  def agrees(key):
-    ka, kb = jax.random.split(key)
-    qa, qb = operand(ka, a), operand(kb, b)
+  def agrees(nan):
+    ka, kb = jax.random.split(jax.random.key(0))
+    qa, qb = operand(ka, a, nan), operand(kb, b, nan)
     absolute = [jnp.abs(_block_scaled.scaled_elements(q, _F32)) for q in (qa, qb)]
     dims = (((qa.axis,), (qb.axis,)), ((0,), (0,)))
     bound = lax.dot_general(
       *absolute, dims, precision=lax.Precision.HIGHEST, preferred_element_type=_F32
     )
-    k = a[2][a[0]]
-    error = jnp.abs(_native(qa, qb) - _emulated(qa, qb))
-    return jnp.all(error <= 2 * k * 2.0**-24 * bound)
+    got, want = _native(qa, qb), _emulated(qa, qb)
+    close = jnp.abs(got - want) <= 2 * a[2][a[0]] * 2.0**-24 * bound
+    return jnp.all(jnp.where(jnp.isnan(want), jnp.isnan(got), close))
 
   try:
     with jax.ensure_compile_time_eval():
-      ok = bool(jax.jit(lambda key: agrees(key))(jax.random.key(0)))
+      ok = all(bool(jax.jit(lambda n=nan: agrees(n))()) for nan in (False, True))
   except Exception as e:  # noqa: BLE001 (a kernel that will not compile)
     return f"the native GEMM failed: {type(e).__name__}: {e}"
-  return None if ok else "the native GEMM's numbers differ from the emulation's"
+  why = None if ok else "the native GEMM's numbers differ from the emulation's"
+  _VERDICTS[key] = why
+  return why
 
 
 def gemm(qa: BlockQuantized, qb: BlockQuantized, native: bool | None) -> jax.Array:
@@ -133,7 +151,7 @@ def gemm(qa: BlockQuantized, qb: BlockQuantized, native: bool | None) -> jax.Arr
       differ.
   """
   use = False
-  if native is not False:
+  if native is None or native:
     why = "this backend has none (a Blackwell GPU has one)"
     if native_backend():
       why = _probe(qa.fmt, _layout(qa), _layout(qb), jax.default_backend())
@@ -141,6 +159,6 @@ def gemm(qa: BlockQuantized, qb: BlockQuantized, native: bool | None) -> jax.Arr
       raise ValueError(f"native=True: no native {qa.fmt} GEMM to use: {why}.")
     use = why is None
   y = _native(qa, qb) if use else _emulated(qa, qb)
-  if qa.global_scale is not None:
-    y = y * (qa.global_scale * qb.global_scale)
+  if qa.global_scale is not None:  # one at a time: their product may not be normal
+    y = y * qa.global_scale * qb.global_scale
   return y

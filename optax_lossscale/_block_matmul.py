@@ -68,9 +68,11 @@ def _check_exclude(exclude: Any) -> Any:
   return tuple(exclude)
 
 
-def _check_native(native: Any) -> None:
+def _check_native(recipe: Any) -> None:
+  native = recipe.native
   if native is not None and not isinstance(native, (bool, np.bool_)):
     raise ValueError(f"`native` must be None, True or False, got {native!r}.")
+  object.__setattr__(recipe, "native", None if native is None else bool(native))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +103,7 @@ class MXFP8Matmul:
   fmt: ClassVar[str] = "mxfp8"
 
   def __post_init__(self):
-    _check_native(self.native)
+    _check_native(self)
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
@@ -139,7 +141,7 @@ class NVFP4Matmul:
   fmt: ClassVar[str] = "nvfp4"
 
   def __post_init__(self):
-    _check_native(self.native)
+    _check_native(self)
     for f in ("random_hadamard", "stochastic_rounding", "weight_2d"):
       if not isinstance(getattr(self, f), (bool, np.bool_)):
         raise ValueError(f"`{f}` must be a bool, got {getattr(self, f)!r}.")

@@ -47,6 +47,17 @@ def ignores_scales(lhs, rhs, lhs_scales, rhs_scales):
   return lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), CANONICAL)
 
 
+def zero_blocks_are_nan(lhs, rhs, lhs_scales, rhs_scales):
+  """Reads an all-zero block's scale (bits 0) as NaN."""
+
+  def spoil(s):
+    bits = lax.bitcast_convert_type(s, jnp.uint8)
+    nan = np.uint8(0xFF if s.dtype == jnp.float8_e8m0fnu else 0x7F)
+    return lax.bitcast_convert_type(jnp.where(bits == 0, nan, bits), s.dtype)
+
+  return scaled_dot(lhs, rhs, spoil(lhs_scales), spoil(rhs_scales))
+
+
 def fails(*args):
   raise RuntimeError("no kernel for these shapes")
 
@@ -56,12 +67,12 @@ def stand_in(monkeypatch):
   """Makes this backend look native, with the given function as the kernel."""
 
   def use(fn):
-    _block_gemm._probe.cache_clear()
+    _block_gemm._VERDICTS.clear()
     monkeypatch.setattr(_block_gemm, "native_backend", lambda: True)
     monkeypatch.setattr(_block_gemm, "_native_matmul", fn)
 
   yield use
-  _block_gemm._probe.cache_clear()
+  _block_gemm._VERDICTS.clear()
 
 
 def _primitives(jaxpr):
@@ -130,18 +141,96 @@ def test_native_layout_gives_the_emulations_numbers(stand_in, recipe, layout):
 
 @has_scaled_dot
 def test_the_probe_is_run_once_per_layout(stand_in):
-  stand_in(scaled_dot)
+  calls = []
+
+  def counted(*args):
+    calls.append(1)
+    return scaled_dot(*args)
+
+  stand_in(counted)
   r = ols.NVFP4Matmul(stochastic_rounding=False)
   _three_gemms(r, "plain")
-  first = _block_gemm._probe.cache_info()
-  assert first.misses == 3  # forward, input gradient, weight gradient
+  first = len(calls)
+  assert len(_block_gemm._VERDICTS) == 3  # forward, input gradient, weight gradient
   _three_gemms(r, "plain", seed=1)  # other values, the same shapes
-  assert _block_gemm._probe.cache_info().misses == 3
+  second = len(calls) - first
+  assert second > 0  # the three GEMMs traced again
+  assert first == second + 3 * 2  # and the probes ran once: finite, then a NaN
+
+
+@has_scaled_dot
+def test_a_failed_probe_is_tried_again(stand_in):
+  failed = []
+
+  def fails_once(*args):
+    if not failed:
+      failed.append(1)
+      raise RuntimeError("out of memory")
+    return scaled_dot(*args)
+
+  stand_in(fails_once)
+  r = ols.MXFP8Matmul()
+  _, jaxpr = _three_gemms(r, "plain")
+  assert len(_block_gemm._VERDICTS) == 2  # the failure is not kept
+  _, jaxpr = _three_gemms(r, "plain")
+  assert len(_block_gemm._VERDICTS) == 3
+  assert "scaled_dot" in _primitives(jaxpr)
+
+
+@has_scaled_dot
+@pytest.mark.parametrize("cls", [ols.MXFP8Matmul, ols.NVFP4Matmul])
+def test_numpy_bools_are_bools(stand_in, cls):
+  stand_in(scaled_dot)
+  assert cls(native=np.False_).native is False and cls(native=np.True_).native is True
+  _, jaxpr = _three_gemms(cls(native=np.False_), "plain")
+  assert "scaled_dot" not in _primitives(jaxpr) and not _block_gemm._VERDICTS
+
+
+@pytest.mark.parametrize("magnitude", [1e-17, 1e-3, 1e23])
+def test_nvfp4_scales_per_tensor_at_extreme_magnitudes(magnitude):
+  """The product of two operands' scales per tensor may not be a normal
+  float32 where the result is: they multiply the result one at a time."""
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((1, 8, 64)) * magnitude
+  a[0, 0] = 0.0  # a zero row gives zeros, not 0 * inf
+  b = rng.standard_normal((1, 64, 16)) * magnitude
+  qa = ols.block_quantize(jnp.asarray(a, jnp.float32), "nvfp4", 2)
+  qb = ols.block_quantize(jnp.asarray(b, jnp.float32), "nvfp4", 1)
+  want = np.einsum(
+    "bmk,bkn->bmn",
+    np.asarray(qa.dequantize(), np.float64),
+    np.asarray(qb.dequantize(), np.float64),
+  )
+  got = np.asarray(_block_gemm.gemm(qa, qb, native=False), np.float64)
+  assert np.all(got[0, 0] == 0.0) and np.all(got[0, 1:] != 0.0)
+  finite = np.abs(want) < np.finfo(np.float32).max  # the rest overflow
+  np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4)
+  np.testing.assert_array_equal(got[~finite], np.sign(want[~finite]) * np.inf)
+
+
+def test_a_tiny_nvfp4_gradient_reaches_the_weights():
+  r = ols.NVFP4Matmul(stochastic_rounding=False, random_hadamard=False)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((64, 32)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+  g = jnp.asarray(3e-33 * rng.standard_normal((64, 16)), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+  _, vjp = jax.vjp(
+    lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, r), x, w
+  )
+  _, dw = vjp(g)
+  exact = np.abs(np.asarray(x, np.float64).T @ np.asarray(g, np.float64))
+  assert exact.max() > np.finfo(np.float32).tiny  # a normal float32 result
+  assert np.count_nonzero(np.asarray(dw)) == dw.size
 
 
 @pytest.mark.parametrize(
   "kernel, why",
-  [(ignores_scales, "numbers differ"), (fails, "RuntimeError: no kernel")],
+  [
+    (ignores_scales, "numbers differ"),
+    pytest.param(zero_blocks_are_nan, "numbers differ", marks=has_scaled_dot),
+    (fails, "RuntimeError: no kernel"),
+  ],
 )
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4 2d hadamard"])
 def test_a_native_gemm_that_disagrees_is_not_used(stand_in, recipe, kernel, why):
