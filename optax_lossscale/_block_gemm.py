@@ -148,10 +148,10 @@ def gemm(qa: BlockQuantized, qb: BlockQuantized, native: bool | None) -> jax.Arr
     native: ``None``: the native GEMM where :func:`native_backend` and the
       probe agree, else the emulation; ``False``: the emulation; ``True``:
       the native GEMM, or a ValueError where there is none or its numbers
-      differ.
+      differ. An empty product is emulated (it is zeros either way).
   """
   use = False
-  if native is None or native:
+  if (native is None or native) and qa.elements.size and qb.elements.size:
     why = "this backend has none (a Blackwell GPU has one)"
     if native_backend():
       why = _probe(qa.fmt, _layout(qa), _layout(qb), jax.default_backend())

@@ -255,3 +255,20 @@ def test_the_backends_native_gemm(recipe, layout):
   got, _ = _three_gemms(dataclasses.replace(r, native=True), layout)
   for a, b in zip(got, emulated, strict=True):
     assert_close(a, b)
+
+
+@has_scaled_dot
+@pytest.mark.parametrize("native", [None, True])
+def test_an_empty_product_is_emulated(stand_in, native):
+  stand_in(scaled_dot)
+  r = ols.NVFP4Matmul(native=native)
+  x, w = jnp.zeros((0, 48), jnp.float32), jnp.ones((48, 24), jnp.float32)
+  y, vjp = jax.vjp(
+    lambda x, w: _block_matmul.dot_general(x, w, LAYOUTS["plain"][2], jnp.float32, r),
+    x,
+    w,
+  )
+  dx, dw = vjp(jnp.zeros_like(y))
+  assert y.shape == (0, 24) and dx.shape == (0, 48)
+  np.testing.assert_array_equal(dw, np.zeros((48, 24)))
+  assert not _block_gemm._VERDICTS  # no probe ran
