@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import versions
 from jax import lax
-from test_block_matmul import LAYOUTS, RECIPES, assert_close
+from test_block_matmul import LAYOUTS, RECIPES, all_eqns, assert_close
 
 import optax_lossscale as ols
 from optax_lossscale import _block_gemm, _block_matmul
@@ -76,15 +76,7 @@ def stand_in(monkeypatch):
 
 
 def _primitives(jaxpr):
-  names = set()
-  for e in jaxpr.eqns:
-    names.add(e.primitive.name)
-    for p in e.params.values():
-      for sub in p if isinstance(p, (tuple, list)) else [p]:
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None:
-          names |= _primitives(inner if hasattr(inner, "eqns") else inner.jaxpr)
-  return names
+  return {e.primitive.name for e in all_eqns(jaxpr)}
 
 
 def _three_gemms(recipe, layout, seed=0):

@@ -171,31 +171,28 @@ def test_autocast_trains_within_the_recipes_error(matmul):
   assert f.matmul == _block_matmul.as_block_recipe(matmul)
 
 
+def all_eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of the jaxprs its equations hold."""
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      for sub in p if isinstance(p, (tuple, list)) else [p]:
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None:
+          yield from all_eqns(inner if hasattr(inner, "eqns") else inner.jaxpr)
+
+
 def _low_precision_uses(jaxpr):
   """(producers, consumers) primitive names of float8/float4 values, all depths."""
   low = {"float8_e4m3fn", "float8_e8m0fnu", "float4_e2m1fn"}
-  made, read = set(), set()
 
-  def walk(j):
-    for e in j.eqns:
-      if any(
-        getattr(v.aval, "dtype", None) is not None and v.aval.dtype.name in low
-        for v in e.outvars
-      ):
-        made.add(e.primitive.name)
-      if any(
-        getattr(getattr(v, "aval", None), "dtype", None) is not None
-        and v.aval.dtype.name in low
-        for v in e.invars
-      ):
-        read.add(e.primitive.name)
-      for p in e.params.values():
-        for sub in p if isinstance(p, (tuple, list)) else [p]:
-          inner = getattr(sub, "jaxpr", None)
-          if inner is not None:
-            walk(inner if hasattr(inner, "eqns") else inner.jaxpr)
+  def is_low(v):
+    dtype = getattr(getattr(v, "aval", None), "dtype", None)
+    return dtype is not None and dtype.name in low
 
-  walk(jaxpr)
+  eqns = list(all_eqns(jaxpr))
+  made = {e.primitive.name for e in eqns if any(map(is_low, e.outvars))}
+  read = {e.primitive.name for e in eqns if any(map(is_low, e.invars))}
   return made, read
 
 
