@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -130,3 +131,11 @@ def require(parser: argparse.ArgumentParser, ok: bool, message: str) -> None:
   """``parser.error(message)`` (exit 2) unless ``ok``."""
   if not ok:
     parser.error(message)
+
+
+def missing(names: list, message: str) -> None:
+  """Exits with status 2 and ``error: message`` if ``names`` (the input files
+  a command reads) is not empty: the same status and form as a bad argument."""
+  if names:
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)

@@ -139,16 +139,24 @@ def parse_args(argv=None):
     socket.getaddrinfo(args.coordinator, None)
   except OSError as e:
     p.error(f"--coordinator {args.coordinator!r} is not an address: {e}")
+  return args
+
+
+def check_inputs(args):
+  """Exits 2, naming what is missing, unless the files ``args`` reads exist.
+
+  Apart from :func:`parse_args`: the arguments of a command are checked when
+  it is written, the files it reads only when it runs, after the steps that
+  make them.
+  """
   if args.compare:
     needed = [f"process{i}.npz" for i in range(args.processes)] + ["reference.npz"]
     missing = [n for n in needed if not os.path.isfile(os.path.join(args.out, n))]
-    _cli.require(
-      p,
-      not missing,
+    _cli.missing(
+      missing,
       f"--compare needs the runs' results in --out ({args.out}), missing "
       f"{', '.join(missing)}: run the workers and --reference there first",
     )
-  return args
 
 
 args = parse_args(sys.argv[1:]) if __name__ == "__main__" else None
@@ -376,6 +384,7 @@ def launch(args):
 
 
 if __name__ == "__main__":
+  check_inputs(args)
   if args.worker is not None:
     worker(args)
   elif args.reference:

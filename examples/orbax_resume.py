@@ -121,11 +121,22 @@ def parse_args(argv=None):
     step = os.path.basename(os.path.normpath(args.resume))
     _cli.require(
       parser,
-      step.isdigit() and int(step) < args.steps and os.path.isdir(args.resume),
-      f"--resume ({args.resume}) must be an existing checkpoint directory "
-      f"CKPT/STEP, STEP below --steps ({args.steps})",
+      step.isdigit() and int(step) < args.steps,
+      f"--resume ({args.resume}) must be a checkpoint directory CKPT/STEP, "
+      f"STEP below --steps ({args.steps})",
     )
   return args
+
+
+def check_inputs(args):
+  """Exits 2 unless the checkpoint ``--resume`` names exists (checked when the
+  command runs, after the run that saves it; :func:`parse_args` checks only
+  the arguments)."""
+  if args.resume is not None:
+    _cli.missing(
+      [] if os.path.isdir(args.resume) else [args.resume],
+      f"--resume ({args.resume}) must be an existing checkpoint directory",
+    )
 
 
 def compare(args):
@@ -167,6 +178,7 @@ def compare(args):
 
 def main(argv=None):
   args = parse_args(argv)
+  check_inputs(args)
   if args.compare:
     raise SystemExit(0 if compare(args) else 1)
   nan_at = set(args.nan_at)

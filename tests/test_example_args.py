@@ -56,10 +56,9 @@ CASES = [
   ("multi_process", "--processes 0", "--processes: must be an integer >= 1"),
   ("multi_process", "--port 70000", "--port: must be an integer in [0, 65535]"),
   ("multi_process", "--coordinator no.such.host.invalid", "is not an address"),
-  ("multi_process", "--compare --out /no/such/dir", "--compare needs the runs'"),
   ("orbax_resume", "--save-at 60", "--save-at (60) must be below --steps (60)"),
   ("orbax_resume", "--save-at 5", "--save-at needs --ckpt"),
-  ("orbax_resume", "--resume /no/ckpt/abc", "an existing checkpoint directory"),
+  ("orbax_resume", "--resume /no/ckpt/abc", "a checkpoint directory CKPT/STEP"),
   ("orbax_resume", "--batch 0", "argument --batch: must be an integer >= 1"),
   ("orbax_resume", "--nan-at 100", "--nan-at steps [100] must be below --steps (60)"),
 ]  # fmt: skip
@@ -80,6 +79,29 @@ def examples():
 def test_a_bad_argument_is_an_argparse_error(examples, capsys, example, argv, message):
   with pytest.raises(SystemExit) as exit_:
     examples(example).parse_args(argv.split())
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert "error: " in err and message in err, err
+
+
+#: (example, its arguments, what the message must say): the arguments parse,
+#: but the files they name are missing when the command runs.
+MISSING_INPUTS = [
+  ("multi_process", "--compare --out {tmp}", "--compare needs the runs' results in"),
+  ("orbax_resume", "--resume {tmp}/ckpt/3", "must be an existing checkpoint directory"),
+]
+
+
+@pytest.mark.parametrize(
+  "example, argv, message", MISSING_INPUTS, ids=[c[0] for c in MISSING_INPUTS]
+)
+def test_missing_inputs_are_named_when_the_command_runs(
+  examples, capsys, tmp_path, example, argv, message
+):
+  module = examples(example)
+  args = module.parse_args(argv.format(tmp=tmp_path).split())  # the command is real
+  with pytest.raises(SystemExit) as exit_:
+    module.check_inputs(args)
   assert exit_.value.code == 2
   err = capsys.readouterr().err
   assert "error: " in err and message in err, err

@@ -8,7 +8,9 @@ written by all processes restored in one, bit for bit).
 """
 
 import re
+import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -52,16 +54,25 @@ def test_processes_agree_with_each_other_and_with_one_process(
 
 @versions.examples
 @pytest.mark.slow
-def test_the_documented_command_works_from_another_directory():
+def test_the_documented_command_works_from_another_directory(tmp_path):
   # `python examples/multi_process.py --processes 2` with its default --out,
-  # started outside the repository (run_example's working directory): the
-  # checkpoint path Orbax gets is absolute whatever the working directory.
-  out = run_example(
-    "multi_process.py", "--processes", 2, "--steps", 6, "--nan-at", 2, "--save-at", 4
-  )
+  # started outside the repository: the checkpoint path Orbax gets is
+  # absolute whatever the working directory. A copy of the examples runs, so
+  # its default --out is new (nothing an earlier run left) and in tmp_path.
+  copy = tmp_path / "examples"
+  copy.mkdir()
+  for script in (ROOT / "examples").glob("*.py"):
+    shutil.copy(script, copy)
+  (tmp_path / "elsewhere").mkdir()
+  out = subprocess.run(
+    [sys.executable, str(copy / "multi_process.py"), "--processes", "2",
+     "--steps", "6", "--nan-at", "2", "--save-at", "4"],
+    capture_output=True, text=True, timeout=600, check=True, cwd=tmp_path / "elsewhere",
+  ).stdout  # fmt: skip
   checks = re.findall(r"^(ok    |FAILED) (.*)$", out, re.M)
   assert len(checks) == 6 and all(ok == "ok    " for ok, _ in checks), out
-  assert (ROOT / "examples" / "out" / "multi_process" / "ckpt").is_dir()
+  assert (copy / "out" / "multi_process" / "ckpt").is_dir()
+  assert not (tmp_path / "elsewhere" / "out").exists()
 
 
 @versions.examples
