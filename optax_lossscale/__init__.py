@@ -36,16 +36,26 @@ from optax_lossscale._master import MasterWeights as MasterWeights
 from optax_lossscale._master import MasterWeightsState as MasterWeightsState
 from optax_lossscale._master import get_master_weights as get_master_weights
 from optax_lossscale._master import master_weights as master_weights
+from optax_lossscale._matmul_list import format_matmuls as format_matmuls
+from optax_lossscale._matmul_list import list_matmuls as list_matmuls
 from optax_lossscale._overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._policy import Policy as Policy
 from optax_lossscale._policy import default_half_dtype as default_half_dtype
 from optax_lossscale._policy import get_policy as get_policy
+from optax_lossscale._quantize_state import QuantizedLeaf as QuantizedLeaf
+from optax_lossscale._quantize_state import QuantizedState as QuantizedState
+from optax_lossscale._quantize_state import QuantizeState as QuantizeState
+from optax_lossscale._quantize_state import dequantize_state as dequantize_state
+from optax_lossscale._quantize_state import quantize_state as quantize_state
 from optax_lossscale._report import LeafReport as LeafReport
 from optax_lossscale._report import NonFiniteReport as NonFiniteReport
 from optax_lossscale._report import NonFiniteStepsError as NonFiniteStepsError
 from optax_lossscale._report import check_skipped_steps as check_skipped_steps
 from optax_lossscale._report import nonfinite_report as nonfinite_report
 from optax_lossscale._skip import SkipFallbackWarning as SkipFallbackWarning
+from optax_lossscale._state import (
+  HalfPrecisionStateWarning as HalfPrecisionStateWarning,
+)
 from optax_lossscale._state import diagnostics as diagnostics
 from optax_lossscale._state import find_loss_scale_state as find_loss_scale_state
 from optax_lossscale._state import get_scale as get_scale
@@ -97,11 +107,15 @@ __all__ = (
   "MasterWeights",
   "MasterWeightsState",
   "NoOpLossScale",
+  "QuantizeState",
+  "QuantizedLeaf",
+  "QuantizedState",
   "NonFiniteRecord",
   "NonFiniteReport",
   "NonFiniteStepsError",
   "Policy",
   "SkipFallbackWarning",
+  "HalfPrecisionStateWarning",
   "StaticLossScale",
   "StochasticRoundingState",
   "all_finite",
@@ -110,11 +124,13 @@ __all__ = (
   "check_checkpoint",
   "check_skipped_steps",
   "default_half_dtype",
+  "dequantize_state",
   "diagnostics",
   "dynamic_loss_scale",
   "ema_params",
   "enable_mixed_precision",
   "finalize_variable_values",
+  "format_matmuls",
   "find_loss_scale_state",
   "get_ema_params",
   "get_learning_rate",
@@ -122,8 +138,10 @@ __all__ = (
   "get_policy",
   "get_scale",
   "kahan_summation",
+  "list_matmuls",
   "master_weights",
   "nonfinite_report",
+  "quantize_state",
   "scale_loss",
   "set_learning_rate",
   "static_loss_scale",

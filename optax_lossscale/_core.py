@@ -125,7 +125,7 @@ def unscale_tree(
   factor: float | None = None,
   *,
   keep: Any = None,
-  float32: bool = False,
+  float32: Any = False,
 ) -> Any:
   """:func:`unscale` of a tree whose leaves are known to be arrays.
 
@@ -133,9 +133,10 @@ def unscale_tree(
   ``loss_scale_factor``) unless it is ``None``. ``keep``, a tree of bools
   like ``tree`` (or ``None``), marks leaves passed through as they are:
   Flax's float8 overwrite leaves, which hold new values, not gradients.
-  With ``float32``, half-precision leaves come back in float32, as they
-  were divided, instead of cast back to their dtype (for an inner
-  optimizer that keeps float32 master weights).
+  ``float32``, a bool or a tree of bools like ``tree`` (or ``None``), marks
+  the half-precision leaves that come back in float32, as they were
+  divided, instead of cast back to their dtype (those an inner optimizer
+  keeps float32 master weights of: ``_state.float32_gradient_leaves``).
   """
 
   def divide(x, by):
@@ -145,17 +146,25 @@ def unscale_tree(
     inv = 1.0 / jnp.asarray(by, _F32).astype(jnp.finfo(wide).dtype)
     return _tree.widen(x) * inv.astype(wide)
 
-  def one(x, kept=False):
+  def one(x, kept, wide):
     if kept or not _tree.is_float_array(x):
       return x
     out = divide(x, loss_scale)
     if factor is not None:  # after a cast back to x's dtype, as Keras does
-      out = divide(out if float32 else out.astype(x.dtype), factor)
-    return out if float32 else out.astype(x.dtype)
+      out = divide(out if wide else out.astype(x.dtype), factor)
+    return out if wide else out.astype(x.dtype)
 
+  if float32 is None or isinstance(float32, bool):
+    float32 = jax.tree.map(lambda x, w=bool(float32): w, tree)
   if keep is None:
-    return jax.tree.map(one, tree)
-  return jax.tree.map(lambda k, x: one(x, k), keep, tree)
+    return jax.tree.map(lambda x, w: one(x, False, w), tree, float32)
+  # `keep` is a prefix of the tree (a kept subtree is kept whole).
+  return jax.tree.map(
+    lambda k, xs, ws: jax.tree.map(lambda x, w: one(x, k, w), xs, ws),
+    keep,
+    tree,
+    float32,
+  )
 
 
 def scale_value(loss: Any, loss_scale: Any) -> jax.Array:

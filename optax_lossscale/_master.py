@@ -306,8 +306,10 @@ def get_master_weights(opt_state: Any, params: Any) -> Any:
   )
   master = _tree.unwrap_variables(state.master)
   params = _tree.unwrap_variables(params)
+  # A master_weights under optax.masked or multi_transform holds MaskedNode
+  # for the leaves of the other branches: those are returned as they are.
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(
-    master, is_leaf=lambda x: x is None
+    master, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode)
   )
   try:
     flat_params = treedef.flatten_up_to(params)
@@ -317,10 +319,15 @@ def get_master_weights(opt_state: Any, params: Any) -> Any:
       "the parameters it was made for."
     ) from None
   for (path, kept), p in zip(with_paths, flat_params, strict=True):
+    if isinstance(kept, optax.MaskedNode):
+      continue
     # the store each leaf was made with, read from what it keeps
     store = "remainder" if getattr(kept, "dtype", None) == jnp.int16 else "float32"
     _check_kept("get_master_weights", _tree.keystr(path), p, kept, store)
   return jax.tree.unflatten(
     treedef,
-    [_master_of(p, k) for p, (_, k) in zip(flat_params, with_paths, strict=True)],
+    [
+      p if isinstance(k, optax.MaskedNode) else _master_of(p, k)
+      for p, (_, k) in zip(flat_params, with_paths, strict=True)
+    ],
   )

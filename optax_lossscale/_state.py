@@ -13,23 +13,31 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from optax_lossscale import _core, _tree
 from optax_lossscale._core import LossScaleState
 
 __all__ = [
+  "HalfPrecisionStateWarning",
   "blame_none_gradients",
   "check_inner_state",
   "check_state_type",
   "counters",
   "diagnostics",
   "find_loss_scale_state",
+  "float32_gradient_leaves",
   "get_scale",
   "is_loss_scale_state",
   "none_gradients",
   "optimizer_state",
   "wants_float32_gradients",
 ]
+
+
+class HalfPrecisionStateWarning(UserWarning):
+  """An optimizer keeps state in float16/bfloat16 where the loss scale needs
+  float32 (see the message, which says where to keep it in float32)."""
 
 
 def optimizer_state(obj: Any) -> Any:
@@ -54,6 +62,46 @@ def wants_float32_gradients(opt_state: Any) -> bool:
       opt_state, lambda x: getattr(type(x), "float32_gradients", 0) is True
     )
   )
+
+
+def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
+  """Which leaves of ``grads`` an inner state keeps float32 masters for.
+
+  A state whose class says ``float32_gradients = True``
+  (``master_weights``') holds, in its ``master`` field, a tree like the
+  parameters it was made for, with an array at each half-precision leaf it
+  keeps a float32 master of (``optax.MaskedNode`` or ``None`` elsewhere:
+  ``chain``, ``masked``, ``multi_transform``, ``MultiSteps`` and
+  ``inject_hyperparams`` keep the parameters' key paths). A leaf of
+  ``grads`` is marked when its key path is one of those and it is a
+  half-precision array: that leaf, and no other, reaches the inner
+  optimizer in float32. A fact of the state's structure, known when
+  tracing.
+
+  Returns:
+    A tree of bools like ``grads``, or ``None`` when no leaf is marked.
+  """
+  found = _tree.find_all(
+    opt_state, lambda x: getattr(type(x), "float32_gradients", 0) is True
+  )
+  if not found:
+    return None
+  kept = set()
+  for _, node in found:
+    flat = jax.tree_util.tree_flatten_with_path(
+      getattr(node, "master", None), is_leaf=_tree.is_variable
+    )[0]
+    kept.update(
+      _tree.keystr(path) for path, x in flat if _tree.is_array(_tree.unwrap(x))
+    )
+  flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  marks = [
+    _tree.keystr(path) in kept
+    and _tree.is_float_array(g)
+    and jnp.finfo(g.dtype).bits < 32
+    for path, g in flat
+  ]
+  return jax.tree.unflatten(treedef, marks) if any(marks) else None
 
 
 def none_gradients(grads: Any, params: Any) -> list[str]:

@@ -10,6 +10,7 @@ the non-finite record and the skip. The porting package's
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -59,6 +60,52 @@ def _validate_grads(grads: Any, params: Any) -> None:
       )
 
   jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
+
+
+def _float32_leaves(
+  body: Any, grads: Any, inner_state: Any, params: Any, extra_args: dict
+) -> Any | None:
+  """Which gradient leaves reach ``body`` unscaled in float32, decided per leaf.
+
+  The half-precision leaves a ``master_weights`` state keeps float32
+  masters of (``_state.float32_gradient_leaves``), provided that ``body``'s
+  update, given them in float32, returns a state of the same dtypes as it
+  was given (checked abstractly, when tracing: nothing is computed). A
+  state that holds those gradients in half precision before
+  ``master_weights`` sees them (``optax.trace`` in a chain before it)
+  would otherwise change dtype at the first update; then every leaf keeps
+  its dtype, and a :class:`HalfPrecisionStateWarning` says why.
+  """
+  wanted = _state.float32_gradient_leaves(inner_state, grads)
+  if wanted is None:
+    return None
+
+  def probe():
+    g = jax.tree.map(lambda x, w: x.astype(jnp.float32) if w else x, grads, wanted)
+    return body.update(g, inner_state, params, **extra_args)[1]
+
+  try:
+    out = jax.tree.leaves(jax.eval_shape(probe))
+    old = jax.tree.leaves(inner_state)
+    changed = len(out) != len(old) or any(
+      _tree.is_array(a) and (a.dtype, a.shape) != (b.dtype, b.shape)
+      for a, b in zip(old, out, strict=False)
+    )
+  except Exception:  # noqa: BLE001 - e.g. strict promotion of a half accumulator
+    changed = True
+  if changed:
+    warnings.warn(
+      "master_weights sits after a transformation whose state holds the "
+      "gradients in half precision (optax.trace or scale_by_adam in a chain "
+      "before it, say): the loss scale hands the gradients over in their own "
+      "dtype, so that this state keeps its dtypes, and small gradients are "
+      "lost in it. Put master_weights around the whole optimizer: "
+      "dynamic_loss_scale(master_weights(optax.chain(...), ...)).",
+      _state.HalfPrecisionStateWarning,
+      stacklevel=4,
+    )
+    return None
+  return wanted
 
 
 def loss_scale_transformation(
@@ -140,9 +187,10 @@ def loss_scale_transformation(
         regular_params,
       )
 
-    # An inner state that keeps float32 master weights (master_weights, at
-    # any depth) takes the gradients unscaled in float32.
-    float32 = _state.wants_float32_gradients(state.inner_state)
+    # The leaves an inner state keeps float32 master weights of
+    # (master_weights, at any depth) take their gradients unscaled in
+    # float32; every other leaf keeps its dtype.
+    float32 = _float32_leaves(body, updates, state.inner_state, params, extra_args)
 
     def as_checked(tree):  # float8 meta values as the floats they hold
       return tree if mask is None else _overwrite.as_floats(tree)

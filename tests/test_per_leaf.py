@@ -1,0 +1,159 @@
+"""Per-leaf decisions under a loss scale: each leaf's gradient dtype is its own.
+
+Which gradient leaves reach the inner optimizer in float32 (those a
+``master_weights`` keeps masters of), which are overwrite leaves, which are
+rounded: decided for each leaf, in every composition. A state's dtypes and
+shapes never change between ``init`` and ``update``, and the jitted step is
+traced once.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+
+# optax's adam, MultiSteps and inject_hyperparams use mixed-width arithmetic.
+pytestmark = pytest.mark.standard_promotion
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+DTYPES = {"float16": F16, "bfloat16": BF16, "float32": F32}
+
+
+def _kind(name, dtype):
+  """A factory ``lr -> transformation`` of one kind, for parameters of ``dtype``."""
+  momentum = lambda lr: optax.sgd(lr, momentum=0.9)  # noqa: E731
+  if name == "plain":
+    return momentum
+  if name == "master_weights":
+    store = "remainder" if dtype == BF16 else "float32"
+    return lambda lr: ols.master_weights(optax.adam(lr), store=store)
+  if name == "stochastic_rounding":
+    return lambda lr: optax.chain(momentum(lr), ols.stochastic_rounding(0))
+  if name == "kahan":
+    return lambda lr: optax.chain(momentum(lr), ols.kahan_summation())
+  raise AssertionError(name)
+
+
+LABELS = {"a": "x", "b": "plain"}
+
+
+def _composed(composition, make, lr=0.1):
+  """The kind ``make`` on leaf ``a`` (and, where the composition allows, a
+  plain SGD-momentum on leaf ``b``), composed as named."""
+  plain = optax.sgd(0.1, momentum=0.9)
+  if composition == "chain":
+    return optax.chain(optax.clip_by_global_norm(10.0), make(lr))
+  if composition == "multi_transform":
+    return optax.multi_transform({"x": make(lr), "plain": plain}, LABELS)
+  if composition == "masked":
+    return optax.chain(
+      optax.masked(make(lr), {"a": True, "b": False}),
+      optax.masked(plain, {"a": False, "b": True}),
+    )
+  if composition == "MultiSteps inside":
+    return optax.MultiSteps(
+      optax.multi_transform({"x": make(lr), "plain": plain}, LABELS), 2
+    )
+  if composition == "inject_hyperparams":
+    return optax.multi_transform(
+      {"x": optax.inject_hyperparams(make)(lr=lr), "plain": plain}, LABELS
+    )
+  raise AssertionError(composition)
+
+
+COMPOSITIONS = [
+  "chain",
+  "multi_transform",
+  "masked",
+  "MultiSteps inside",
+  "inject_hyperparams",
+]
+KINDS = ["plain", "master_weights", "stochastic_rounding", "kahan"]
+
+
+def _shapes_and_dtypes(tree):
+  return jax.tree.map(lambda x: (np.shape(x), jnp.result_type(x)), tree)
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_state_keeps_its_dtypes_and_the_step_is_traced_once(composition, kind, dtype):
+  dtype = DTYPES[dtype]
+  params = {"a": jnp.linspace(-1, 1, 4).astype(dtype), "b": jnp.ones(3, dtype)}
+  inner = _composed(composition, _kind(kind, dtype))
+  tx = ols.dynamic_loss_scale(inner, initial_scale=2.0**8)
+  template = jax.eval_shape(tx.init, params)
+  state = tx.init(params)
+  traces = []
+
+  @jax.jit
+  def step(params, state, grads):
+    traces.append(1)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, updates
+
+  good = {"a": jnp.full(4, 2.0**-4, dtype), "b": jnp.full(3, 2.0**-3, dtype)}
+  bad = {**good, "a": good["a"].at[1].set(jnp.inf)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback warning in any of these
+    for grads in (good, bad, good, good):
+      params, state, updates = step(params, state, grads)
+      assert jax.tree.structure(state) == jax.tree.structure(template)
+      assert _shapes_and_dtypes(state) == _shapes_and_dtypes(template)
+      assert params["a"].dtype == dtype and params["b"].dtype == dtype
+  assert len(traces) == 1
+  assert int(ols.diagnostics(state)["skipped_steps"]) == 1
+  if composition == "chain":
+    return
+  # The plain branch's momentum is in the parameters' dtype, as optax keeps it.
+  traces_of_b = [
+    x
+    for p, x in jax.tree_util.tree_flatten_with_path(state)[0]
+    if ".trace['b']" in jax.tree_util.keystr(p)
+  ]
+  assert traces_of_b and all(x.dtype == dtype for x in traces_of_b)
+
+
+@pytest.mark.parametrize(
+  "composition", ["multi_transform", "masked", "inject_hyperparams"]
+)
+def test_only_the_master_weights_leaves_get_float32_gradients(composition):
+  # 2**-30 is 0 in float16: the master leaf receives it unscaled in float32,
+  # the plain leaf receives its gradient in float16 (its state stays float16).
+  scale = 2.0**15
+  params = {"a": jnp.zeros(4, F16), "b": jnp.ones(3, F16)}
+  make = lambda lr: ols.master_weights(optax.sgd(lr), store="float32")  # noqa: E731
+  # (inject_hyperparams keeps the rate in the parameters' float16: 0.5 is exact)
+  tx = ols.dynamic_loss_scale(_composed(composition, make, 0.5), initial_scale=scale)
+  state = tx.init(params)
+  grads = {"a": jnp.full(4, 2.0**-30 * scale, F16), "b": jnp.full(3, scale, F16)}
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  master = ols.get_master_weights(state, optax.apply_updates(params, updates))
+  np.testing.assert_array_equal(master["a"], np.float32(-0.5 * 2.0**-30))
+  assert updates["b"].dtype == F16
+
+
+def test_a_half_state_before_master_weights_keeps_its_dtypes_and_says_so():
+  # optax.trace before master_weights keeps its momentum in the parameters'
+  # float16: handing it float32 gradients would make that state float32.
+  params = {"a": jnp.ones(4, F16), "b": jnp.ones(3, F16)}
+  grads = jax.tree.map(jnp.ones_like, params)
+  master = ols.master_weights(optax.sgd(0.1), store="float32")
+  tx = ols.dynamic_loss_scale(optax.chain(optax.trace(0.9), master))
+  template = jax.eval_shape(tx.init, params)
+  with pytest.warns(ols.HalfPrecisionStateWarning, match="around the whole"):
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert _shapes_and_dtypes(state) == _shapes_and_dtypes(template)
+  # Around the whole optimizer it sees float32 gradients and says nothing.
+  tx = ols.dynamic_loss_scale(
+    ols.master_weights(optax.chain(optax.trace(0.9), optax.sgd(0.1)), store="float32")
+  )
+  template = jax.eval_shape(tx.init, params)
+  _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert _shapes_and_dtypes(state) == _shapes_and_dtypes(template)
