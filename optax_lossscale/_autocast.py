@@ -24,29 +24,22 @@ overflow.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from optax_lossscale import _block_matmul, _dtypes, _float8, _jaxpr
+from optax_lossscale import _autocast_eval, _autocast_state, _dtypes
+from optax_lossscale._autocast_eval import cast
 from optax_lossscale._autocast_lists import (
   ALLOW_LIST,
   CLEAR_LIST,
   DENY_LIST,
   INFER_LIST,
 )
-from optax_lossscale._autocast_rules import (
-  CUSTOM_CALLS,
-  Rules,
-  float32_results,
-  in_float32,
-  is_float,
-)
-from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr, Literal
+from optax_lossscale._autocast_rules import Rules, is_float
 
 
 def _is_static(x: Any) -> bool:
@@ -67,254 +60,6 @@ def _merge(static: tuple, arrays: Any) -> list:
   for i, x in static:
     out.insert(i, x)
   return out
-
-
-def _follower(var, val) -> bool:
-  """A literal, a weakly-typed value or a 0-d scalar: it follows the others."""
-  if isinstance(var, Literal):
-    return True
-  aval = getattr(var, "aval", None)
-  return bool(getattr(aval, "weak_type", False)) or getattr(val, "ndim", 1) == 0
-
-
-def _cast(x, dtype):
-  return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
-
-
-def _eval(
-  jaxpr: Jaxpr,
-  consts: Iterable[Any],
-  args: Iterable[Any],
-  rules: Rules,
-  out_float32: Iterable[bool] | None = None,
-):
-  """The rewritten values of ``jaxpr``'s outputs.
-
-  ``out_float32`` says, per output, whether whoever reads it reads it in
-  float32 (from the enclosing jaxpr's :func:`float32_results`); the
-  function's own outputs are not (they come back in ``fun``'s dtypes).
-  """
-  if out_float32 is None:
-    out_float32 = [False] * len(jaxpr.outvars)
-  float32 = float32_results(jaxpr, out_float32, rules)
-
-  def eval_eqn(eqn, invals):
-    return _eval_eqn(eqn, [jnp.asarray(x) for x in invals], rules, float32)
-
-  return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
-
-
-#: The name stacks of the equations being rewritten, outermost first: a
-#: matmul's module path is theirs joined (a sub-jaxpr's are relative).
-_SCOPE: list[str] = []
-
-
-def _module_path() -> str:
-  return "/".join(s for s in _SCOPE if s)
-
-
-def _eval_eqn(eqn, invals, rules: Rules, float32: dict):
-  _SCOPE.append(str(eqn.source_info.name_stack))
-  try:
-    return _eval_eqn_in_scope(eqn, invals, rules, float32)
-  finally:
-    _SCOPE.pop()
-
-
-def _eval_eqn_in_scope(eqn, invals, rules: Rules, float32: dict):
-  name = eqn.primitive.name
-  params = eqn.params
-  body = _jaxpr.call_body(eqn)
-  outs_float32 = [in_float32(float32, v) for v in eqn.outvars]
-  if body is not None:
-    return _eval(*body, invals, rules, outs_float32)
-  if name in CUSTOM_CALLS:
-    return _custom_call(eqn, invals, rules, outs_float32)
-  if name in ("remat", "remat2", "checkpoint"):
-    sub, consts = _jaxpr.closed(params["jaxpr"])
-    body = jax.checkpoint(
-      lambda *a: _eval(sub, consts, a, rules, outs_float32),
-      prevent_cse=params.get("prevent_cse", True),
-      policy=params.get("policy"),
-    )
-    return body(*invals)
-  if name == "scan":
-    return _scan(eqn, invals, rules)
-  if name == "while":
-    return _while(eqn, invals, rules)
-  if name == "cond":
-    return _cond(eqn, invals, rules)
-  if any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in params.values()):
-    raise NotImplementedError(
-      f"autocast does not support the primitive {name!r} (it holds a jaxpr that "
-      "autocast cannot rewrite); call it outside the autocast function."
-    )
-  return _first_order(eqn, invals, rules, all(outs_float32))
-
-
-def _custom_call(eqn, invals, rules: Rules, outs_float32: list[bool]):
-  """A ``custom_jvp``/``custom_vjp`` call: its primal rewritten, its rule kept.
-
-  The call runs with its inputs in the dtypes the function gave them and
-  its body replaced by the rewritten body (cast back to the original output
-  dtypes at its end), so differentiation still goes through the user's own
-  rule, in the dtypes it was written for.
-  """
-  key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
-  sub, consts = _jaxpr.closed(eqn.params[key])
-
-  def body(*args):
-    outs = _eval(sub, consts, args, rules, outs_float32)
-    return _match(outs, [v.aval.dtype for v in sub.outvars])
-
-  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in sub.invars]
-  rewritten = jax.make_jaxpr(body)(*avals)
-  invals = _match(invals, [v.aval.dtype for v in eqn.invars])
-  return _jaxpr.bind(eqn, invals, {key: rewritten})
-
-
-def _first_order(eqn, invals, rules: Rules, read_in_float32: bool = False):
-  name = eqn.primitive.name
-  kind = rules.kind(name)
-  if name == "mul" and eqn.invars[0] is eqn.invars[1]:
-    kind = rules.kind("square")  # x * x is square(x), and x ** 2: one rule
-  half = rules.half
-  original = [v.aval.dtype for v in eqn.invars]
-  floating = [i for i, x in enumerate(invals) if is_float(x.dtype)]
-  params = {}
-
-  if name == "convert_element_type":
-    # A conversion the function writes keeps its target dtype.
-    targets = {}
-  elif kind == "allow":
-    targets = {i: half for i in floating}
-    pet = eqn.params.get("preferred_element_type")
-    widest = max((jnp.dtype(original[i]).itemsize for i in floating), default=0)
-    # A result type wider than every input is the user's own choice (a float32
-    # accumulation of half inputs, as jax.nn.dot_product_attention's logits):
-    # kept. Otherwise it is the default, and the result is half too.
-    if pet is not None and is_float(pet) and jnp.dtype(pet).itemsize <= widest:
-      params["preferred_element_type"] = half
-    if read_in_float32 and "preferred_element_type" in eqn.params:
-      # Every reader converts to float32 anyway: accumulate and return float32,
-      # so no half result exists to overflow (attention's logits).
-      f32 = jnp.dtype(jnp.float32)
-      if pet is None or not is_float(pet) or jnp.dtype(pet).itemsize < 4:
-        params["preferred_element_type"] = f32
-      else:
-        params.pop("preferred_element_type", None)
-    out_dtype = params.get("preferred_element_type", pet) or half
-    recipe = rules.float8
-    block = recipe is not None and not isinstance(recipe, _float8.Float8Matmul)
-    if name == "dot_general" and block and len(floating) == 2:
-      if not _block_matmul.excluded(recipe, _module_path()):
-        return [
-          _block_matmul.dot_general(
-            *invals,
-            eqn.params["dimension_numbers"],
-            out_dtype,
-            recipe,
-            out_sharding=eqn.params.get("out_sharding"),
-          )
-        ]
-    elif name == "dot_general" and recipe is not None and len(floating) == 2:
-      # Both operands as they come (float32 parameters are quantised from
-      # float32, not from their half rounding).
-      return [
-        _float8.dot_general(
-          *invals,
-          eqn.params["dimension_numbers"],
-          out_dtype,
-          rules.float8,
-          out_sharding=eqn.params.get("out_sharding"),
-        )
-      ]
-  elif kind == "deny":
-    targets = {i: original[i] for i in floating if is_float(original[i])}
-  else:  # infer and clear: half only if every (non-follower) float input is
-    leaders = [i for i in floating if not _follower(eqn.invars[i], invals[i])]
-    if kind == "clear" and len(leaders) <= 1 and len(floating) <= 1:
-      targets = {}
-    else:
-      all_half = bool(leaders) and all(invals[i].dtype == half for i in leaders)
-      targets = {
-        i: (half if all_half else original[i])
-        for i in floating
-        if is_float(original[i])
-      }
-  cast: dict[tuple[int, Any], Any] = {}  # one conversion per value and dtype
-
-  def cast_once(x, dtype):
-    if (id(x), dtype) not in cast:
-      cast[id(x), dtype] = _cast(x, dtype)
-    return cast[id(x), dtype]
-
-  invals = [
-    cast_once(x, targets[i]) if i in targets else x for i, x in enumerate(invals)
-  ]
-  return _jaxpr.bind(eqn, invals, params)
-
-
-def _match(values, dtypes):
-  return [
-    _cast(x, d) if is_float(x.dtype) else x for x, d in zip(values, dtypes, strict=True)
-  ]
-
-
-def _scan(eqn, invals, rules):
-  p = eqn.params
-  sub, consts = _jaxpr.closed(p["jaxpr"])
-  nc, ncarry = p["num_consts"], p["num_carry"]
-  cvals, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
-  carry_dtypes = [x.dtype for x in init]
-
-  def body(carry, x):
-    outs = _eval(sub, consts, [*cvals, *carry, *x], rules)
-    return tuple(_match(outs[:ncarry], carry_dtypes)), tuple(outs[ncarry:])
-
-  carry, ys = lax.scan(
-    body,
-    tuple(init),
-    tuple(xs),
-    length=p["length"],
-    reverse=p["reverse"],
-    unroll=p["unroll"],
-  )
-  return [*carry, *ys]
-
-
-def _while(eqn, invals, rules):
-  p = eqn.params
-  cj, cconsts = _jaxpr.closed(p["cond_jaxpr"])
-  bj, bconsts = _jaxpr.closed(p["body_jaxpr"])
-  nc, nb = p["cond_nconsts"], p["body_nconsts"]
-  cvals, bvals, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
-  dtypes = [x.dtype for x in init]
-
-  def cond_fun(carry):
-    return _eval(cj, cconsts, [*cvals, *carry], rules)[0]
-
-  def body_fun(carry):
-    return tuple(_match(_eval(bj, bconsts, [*bvals, *carry], rules), dtypes))
-
-  return list(lax.while_loop(cond_fun, body_fun, tuple(init)))
-
-
-def _cond(eqn, invals, rules):
-  index, ops = invals[0], invals[1:]
-  branches = [_jaxpr.closed(b) for b in eqn.params["branches"]]
-  shapes = [
-    jax.eval_shape(lambda *o, b=b: _eval(b[0], b[1], o, rules), *ops) for b in branches
-  ]
-  # Each output in the widest dtype any branch gives it.
-  dtypes = [
-    max((s[i].dtype for s in shapes), key=lambda d: jnp.dtype(d).itemsize)
-    for i in range(len(shapes[0]))
-  ]
-  fns = [
-    lambda *o, b=b: tuple(_match(_eval(b[0], b[1], o, rules), dtypes)) for b in branches
-  ]
-  return list(lax.switch(index, fns, *ops))
 
 
 def autocast(
@@ -394,38 +139,81 @@ def autocast(
   """
   half = _dtypes.default_half_dtype() if compute_dtype is None else compute_dtype
   rules = Rules(half, allow, deny, infer, clear, matmul)
-
-  def rewritten(static, treedef, *arrays):
-    """``fun`` on the array leaves, its jaxpr evaluated by the rules."""
-
-    def flat_fun(*leaves):
-      a, k = jax.tree.unflatten(treedef, _merge(static, leaves))
-      return fun(*a, **k)
-
-    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
-    outs = _eval(closed.jaxpr, closed.consts, arrays, rules)
-    outs = [
-      _cast(x, s.dtype) if is_float(x.dtype) and is_float(s.dtype) else x
-      for x, s in zip(outs, jax.tree.leaves(out_shape), strict=True)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
   # Compiled once per input signature (as jax.jit does), so that calls
   # outside jit neither rewrite nor compile the function again; under an
   # outer jit the call is traced into it.
-  cached = jax.jit(rewritten, static_argnums=(0, 1))
+  cached = jax.jit(functools.partial(rewritten, fun, rules), static_argnums=0)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    flat, treedef = jax.tree.flatten((args, kwargs))
-    static = tuple((i, x) for i, x in enumerate(flat) if _is_static(x))
-    arrays = [x for x in flat if not _is_static(x)]
-    try:
-      hash(static)
-    except TypeError:  # an unhashable static leaf: rewritten on every call
-      return rewritten(static, treedef, *arrays)
-    return cached(static, treedef, *arrays)
+    return _call(fun, rules, cached, args, kwargs)
 
   wrapped.compute_dtype = rules.half
   wrapped.matmul = rules.float8
+  wrapped._autocast = (fun, rules)
   return wrapped
+
+
+def prepare(fun, args, kwargs):
+  """``(nodes, spec, arrays)``: the NNX graph nodes of the call (or None),
+  what :func:`rewritten` takes static, and the leaves it traces."""
+  nodes = _autocast_state.find(fun, (args, kwargs))
+  if nodes is None:
+    graphdef, tree = None, (args, kwargs)
+  else:
+    graphdef, state = nodes.split()
+    tree = (nodes.tree, state)
+  flat, treedef = jax.tree.flatten(tree)
+  static = tuple((i, x) for i, x in enumerate(flat) if _is_static(x))
+  arrays = [x for x in flat if not _is_static(x)]
+  return nodes, (static, treedef, graphdef, getattr(nodes, "owner", None)), arrays
+
+
+def _call(fun, rules: Rules, cached, args, kwargs):
+  """``fun(*args, **kwargs)`` rewritten, the Variables it wrote carried back."""
+  nodes, spec, arrays = prepare(fun, args, kwargs)
+  try:
+    hash(spec)
+  except TypeError:  # an unhashable static leaf: rewritten on every call
+    cached = functools.partial(rewritten, fun, rules)
+  try:
+    out = cached(spec, *arrays)
+  except Exception as e:
+    better = _autocast_state.nnx_error(e)
+    if better is None:
+      raise
+    raise better from e
+  if nodes is None:
+    return out
+  out, state_after, graphdef_after = out
+  nodes.write_back(graphdef_after.value, state_after)
+  return out
+
+
+def rewritten(fun, rules: Rules, spec, *arrays):
+  """``fun`` on the array leaves, its jaxpr evaluated by the rules.
+
+  With graph nodes (``spec``'s graph), returns ``(fun's output, their state
+  after the call, their graph after it)``.
+  """
+  static, treedef, graphdef, owner = spec
+
+  def flat_fun(*leaves):
+    tree = jax.tree.unflatten(treedef, _merge(static, leaves))
+    if graphdef is None:
+      a, k = tree
+      return fun(*a, **k)
+    holed, state = tree
+    merged = _autocast_state.Nodes.merge(graphdef, state)
+    a, k = _autocast_state.Nodes.fill(holed, merged)
+    out = _autocast_state.bound(fun, owner, merged)(*a, **k)
+    graphdef_after, state_after = sys.modules["flax.nnx"].split(merged)
+    return out, state_after, _autocast_state.Static(graphdef_after)
+
+  closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
+  outs = _autocast_eval.evaluate(closed.jaxpr, closed.consts, arrays, rules)
+  outs = [
+    cast(x, s.dtype) if is_float(x.dtype) and is_float(s.dtype) else x
+    for x, s in zip(outs, jax.tree.leaves(out_shape), strict=True)
+  ]
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)

@@ -17,14 +17,53 @@ import jax.numpy as jnp
 from optax_lossscale import _dtypes, _float8, _jaxpr
 from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr
 
-__all__ = ["CUSTOM_CALLS", "Rules", "body", "float32_results", "in_float32", "is_float"]
+__all__ = [
+  "CUSTOM_CALLS",
+  "MOVES",
+  "Rules",
+  "body",
+  "float32_results",
+  "in_float32",
+  "is_float",
+  "moved_inputs",
+]
 
 # Custom-derivative calls: their bodies are rewritten, their rules kept.
 CUSTOM_CALLS = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
 def is_float(dtype) -> bool:
+  """A real floating dtype: the only values autocast ever casts (never
+  complex, integer, boolean or key values)."""
   return jnp.issubdtype(dtype, jnp.floating)
+
+
+#: Primitives that move or convert values without computing new ones: a
+#: weight read through them (a transpose, a reshape, a cast, a slice of a
+#: stacked layer) is still the weight.
+MOVES = frozenset(
+  {
+    "reshape",
+    "transpose",
+    "slice",
+    "dynamic_slice",
+    "dynamic_update_slice",
+    "gather",
+    "concatenate",
+    "select_n",
+    "broadcast_in_dim",
+    "squeeze",
+    "expand_dims",
+    "rev",
+    "pad",
+    "copy",
+    "copy_p",
+    "convert_element_type",
+    "reduce_precision",
+    "sharding_constraint",
+    "device_put",
+  }
+)
 
 
 class Rules:
@@ -129,6 +168,54 @@ def float32_results(jaxpr: Jaxpr, out_float32: Iterable[bool], rules: Rules) -> 
     for v in eqn.invars:
       note(v, verdict)
   return {v: all(vs) for v, vs in verdicts.items()}
+
+
+def moved_inputs(jaxpr: Jaxpr, inputs: Iterable[bool]) -> set:
+  """The variables of ``jaxpr`` that hold inputs moved, not computed.
+
+  ``inputs`` says, per invar, whether it holds one of the function's inputs
+  (its arguments and constants: parameters, data) moved only. A variable
+  does when it is a constant, a literal, such an invar, or the result of a
+  :data:`MOVES` primitive whose floating operands all do (through calls,
+  custom-derivative calls, checkpoints and ``cond`` branches; a ``scan``'s
+  constants and sliced inputs keep their verdicts, its carry and a
+  ``while`` loop's do not). A matmul of two variables that do not, with
+  batch dimensions, multiplies activations by activations (attention's);
+  any other is a weight's.
+  """
+  moved = set(jaxpr.constvars)
+  moved.update(v for v, m in zip(jaxpr.invars, inputs, strict=True) if m)
+
+  def holds(v) -> bool:
+    return isinstance(v, _jaxpr.Literal) or v in moved
+
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    found = body(eqn)
+    outs = [False] * len(eqn.outvars)
+    if found is not None:
+      inner = moved_inputs(found[0], [holds(v) for v in eqn.invars])
+      outs = [v in inner for v in found[0].outvars]
+    elif name == "cond":
+      ins = [holds(v) for v in eqn.invars[1:]]
+      branches = [_jaxpr.closed(b)[0] for b in eqn.params["branches"]]
+      sets = [moved_inputs(b, ins) for b in branches]
+      outs = [
+        all(b.outvars[i] in m for b, m in zip(branches, sets, strict=True))
+        for i in range(len(eqn.outvars))
+      ]
+    elif name == "scan":
+      sub = _jaxpr.closed(eqn.params["jaxpr"])[0]
+      nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+      ins = [holds(v) for v in eqn.invars]
+      ins[nc : nc + ncarry] = [False] * ncarry
+      inner = moved_inputs(sub, ins)
+      outs = [False] * ncarry + [v in inner for v in sub.outvars[ncarry:]]
+    elif name in MOVES:
+      floats = [v for v in eqn.invars if is_float(v.aval.dtype)]
+      outs = [bool(floats) and all(holds(v) for v in floats)] * len(eqn.outvars)
+    moved.update(v for v, m in zip(eqn.outvars, outs, strict=True) if m)
+  return moved
 
 
 def in_float32(results: dict, v) -> bool:

@@ -45,9 +45,9 @@ __all__ = ["MXFP8Matmul", "NVFP4Matmul", "dot_general", "excluded"]
 _F32 = jnp.dtype(jnp.float32)
 
 #: NVFP4's layers kept in the compute dtype by default: the output layer and
-#: embeddings (as Flax names them), and matmuls written with ``einsum``
-#: (attention's, whose name is their equation).
-NVFP4_EXCLUDE = (r"(^|/)(head|lm_head|output|logits|[Ee]mbed\w*)$", r"->")
+#: embeddings (as Flax names them). Attention's matmuls are kept by
+#: structure (``attention=False``), however they are written.
+NVFP4_EXCLUDE = (r"(^|/)(head|lm_head|output|logits|[Ee]mbed\w*)$",)
 
 
 def _check_exclude(exclude: Any) -> Any:
@@ -96,14 +96,19 @@ class MXFP8Matmul:
       that hold the quantised values exactly, float32 accumulation);
       ``True``: native, or a ValueError when traced where that is not
       possible.
+    attention: whether attention's matmuls run in the recipe too: batched
+      products (``"bqhd,bkhd->bhqk"``) of two values the function computed,
+      recognised by that structure, however they are written.
   """
 
   exclude: Any = ()
   native: bool | None = None
+  attention: bool = True
   fmt: ClassVar[str] = "mxfp8"
 
   def __post_init__(self):
     _check_native(self)
+    _check_bool(self, "attention")
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
@@ -126,10 +131,12 @@ class NVFP4Matmul:
     seed: an integer; the random numbers are drawn from ``key(seed)``
       folded with a hash of each output gradient.
     exclude: matmuls kept in the compute dtype, as :class:`MXFP8Matmul`'s;
-      by default the output layer, embeddings and ``einsum`` matmuls
-      (:data:`NVFP4_EXCLUDE`), as the NVFP4 recipe keeps them.
+      by default the output layer and embeddings (:data:`NVFP4_EXCLUDE`),
+      as the NVFP4 recipe keeps them.
     native: as :class:`MXFP8Matmul`'s. The two scales per tensor multiply
       the GEMM's float32 result, as a native kernel's epilogue does.
+    attention: as :class:`MXFP8Matmul`'s; off by default: the NVFP4 recipe
+      keeps attention's matmuls in the compute dtype.
   """
 
   random_hadamard: bool = True
@@ -138,23 +145,31 @@ class NVFP4Matmul:
   seed: int = 0
   exclude: Any = NVFP4_EXCLUDE
   native: bool | None = None
+  attention: bool = False
   fmt: ClassVar[str] = "nvfp4"
 
   def __post_init__(self):
     _check_native(self)
-    for f in ("random_hadamard", "stochastic_rounding", "weight_2d"):
-      if not isinstance(getattr(self, f), (bool, np.bool_)):
-        raise ValueError(f"`{f}` must be a bool, got {getattr(self, f)!r}.")
+    for f in ("random_hadamard", "stochastic_rounding", "weight_2d", "attention"):
+      _check_bool(self, f)
     if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
       raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
+def _check_bool(recipe: Any, field: str) -> None:
+  value = getattr(recipe, field)
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"`{field}` must be a bool, got {value!r}.")
+  object.__setattr__(recipe, field, bool(value))
+
+
 def excluded(recipe: Any, path: str) -> bool:
   """Whether ``recipe`` keeps the matmul at module path ``path`` as it is."""
-  if callable(recipe.exclude):
-    return bool(recipe.exclude(path))
-  return any(re.search(p, path) for p in recipe.exclude)
+  exclude = getattr(recipe, "exclude", ())
+  if callable(exclude):
+    return bool(exclude(path))
+  return any(re.search(p, path) for p in exclude)
 
 
 def _hadamard16(seed: int = 0x5EED) -> np.ndarray:

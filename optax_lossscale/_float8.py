@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -76,18 +76,24 @@ class Float8Matmul:
       in float32 and converted, which costs one more pass over the result
       but biases no entry (a bfloat16 copy of a scale that is not a power
       of two would bias them all alike).
+    attention: whether attention's matmuls run in float8 too: batched
+      products of two values the function computed (``"bqhd,bkhd->bhqk"``),
+      recognised by that structure, however they are written.
   """
 
   forward_dtype: Any = jnp.float8_e4m3fn
   backward_dtype: Any = jnp.float8_e5m2
   power_of_two: bool = False
+  attention: bool = True
+  fmt: ClassVar[str] = "float8"
 
   def __post_init__(self):
     for field in ("forward_dtype", "backward_dtype"):
       dtype = _dtypes.float_dtype(field, getattr(self, field), allowed=_RECIPE_DTYPES)
       object.__setattr__(self, field, dtype)
-    if not isinstance(self.power_of_two, (bool, np.bool_)):
-      raise ValueError(f"`power_of_two` must be a bool, got {self.power_of_two!r}.")
+    for field in ("power_of_two", "attention"):
+      if not isinstance(getattr(self, field), (bool, np.bool_)):
+        raise ValueError(f"`{field}` must be a bool, got {getattr(self, field)!r}.")
 
 
 def as_recipe(matmul: Any) -> Any:

@@ -1,0 +1,369 @@
+"""autocast's evaluator: a traced function's jaxpr evaluated under the rules.
+
+Each equation runs as :mod:`~optax_lossscale._autocast` describes: calls,
+checkpoints, loops and branches are rewritten inside, custom-derivative
+calls keep their rules, and every other primitive casts its real floating
+inputs by its list (:func:`_first_order`); matmuls go through
+:func:`_matmul`, which also notes each one's decision where a listing
+(:func:`~optax_lossscale.list_matmuls`) asks for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_lossscale import _block_matmul, _float8, _jaxpr
+from optax_lossscale._autocast_rules import (
+  CUSTOM_CALLS,
+  Rules,
+  float32_results,
+  in_float32,
+  is_float,
+  moved_inputs,
+)
+from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr, Literal
+
+__all__ = ["cast", "evaluate", "recording"]
+
+_F32 = jnp.dtype(jnp.float32)
+
+
+def _follower(var, val) -> bool:
+  """A literal, a weakly-typed value or a 0-d scalar: it follows the others."""
+  if isinstance(var, Literal):
+    return True
+  aval = getattr(var, "aval", None)
+  return bool(getattr(aval, "weak_type", False)) or getattr(val, "ndim", 1) == 0
+
+
+def cast(x, dtype):
+  return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+
+
+def _match(values, dtypes):
+  return [
+    cast(x, d) if is_float(x.dtype) else x for x, d in zip(values, dtypes, strict=True)
+  ]
+
+
+def evaluate(
+  jaxpr: Jaxpr,
+  consts: Iterable[Any],
+  args: Iterable[Any],
+  rules: Rules,
+  out_float32: Iterable[bool] | None = None,
+  inputs: Iterable[bool] | None = None,
+):
+  """The rewritten values of ``jaxpr``'s outputs.
+
+  ``out_float32`` says, per output, whether whoever reads it reads it in
+  float32 (from the enclosing jaxpr's :func:`float32_results`); the
+  function's own outputs are not (they come back in ``fun``'s dtypes).
+  ``inputs`` says, per invar, whether it holds the function's inputs moved
+  only (:func:`moved_inputs`; default: all do, as a function's arguments).
+  """
+  if out_float32 is None:
+    out_float32 = [False] * len(jaxpr.outvars)
+  if inputs is None:
+    inputs = [True] * len(jaxpr.invars)
+  float32 = float32_results(jaxpr, out_float32, rules)
+  moved = moved_inputs(jaxpr, inputs)
+
+  def eval_eqn(eqn, invals):
+    invals = [jnp.asarray(x) for x in invals]
+    _SCOPE.append((str(eqn.source_info.name_stack), id(eqn)))
+    try:
+      return _eval_eqn(eqn, invals, rules, float32, moved)
+    finally:
+      _SCOPE.pop()
+
+  return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
+
+
+#: The name stacks (and equations) being rewritten, outermost first: a
+#: matmul's module path is theirs joined (a sub-jaxpr's are relative).
+_SCOPE: list[tuple[str, int]] = []
+#: Where a listing collects the matmuls' decisions, keyed by their equations.
+_RECORD: list[dict | None] = [None]
+
+
+@contextlib.contextmanager
+def recording():
+  """Collects ``{equations: decision}`` of every matmul rewritten inside."""
+  found: dict = {}
+  _RECORD.append(found)
+  try:
+    yield found
+  finally:
+    _RECORD.pop()
+
+
+@contextlib.contextmanager
+def _not_recording():
+  _RECORD.append(None)
+  try:
+    yield
+  finally:
+    _RECORD.pop()
+
+
+def _module_path() -> str:
+  return "/".join(s for s, _ in _SCOPE if s)
+
+
+def _eval_eqn(eqn, invals, rules: Rules, float32: dict, moved: set):
+  name = eqn.primitive.name
+  params = eqn.params
+  flags = [isinstance(v, Literal) or v in moved for v in eqn.invars]
+  body = _jaxpr.call_body(eqn)
+  outs_float32 = [in_float32(float32, v) for v in eqn.outvars]
+  if body is not None:
+    return evaluate(*body, invals, rules, outs_float32, flags)
+  if name in CUSTOM_CALLS:
+    return _custom_call(eqn, invals, rules, outs_float32, flags)
+  if name in ("remat", "remat2", "checkpoint"):
+    sub, consts = _jaxpr.closed(params["jaxpr"])
+    body = jax.checkpoint(
+      lambda *a: evaluate(sub, consts, a, rules, outs_float32, flags),
+      prevent_cse=params.get("prevent_cse", True),
+      policy=params.get("policy"),
+    )
+    return body(*invals)
+  if name == "scan":
+    return _scan(eqn, invals, rules, flags)
+  if name == "while":
+    return _while(eqn, invals, rules, flags)
+  if name == "cond":
+    return _cond(eqn, invals, rules, flags)
+  if any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in params.values()):
+    raise NotImplementedError(
+      f"autocast does not support the primitive {name!r} (it holds a jaxpr that "
+      "autocast cannot rewrite); call it outside the autocast function."
+    )
+  if rules.kind(name) == "allow":
+    return _allow(eqn, invals, rules, all(outs_float32), flags)
+  if name == "dot_general":  # a matmul the lists keep as written
+    dtypes = dict.fromkeys(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
+    _note(eqn, flags, None, "/".join(dtypes), eqn.outvars[0].aval.dtype)
+  return _first_order(eqn, invals, rules)
+
+
+def _custom_call(eqn, invals, rules: Rules, outs_float32: list[bool], flags):
+  """A ``custom_jvp``/``custom_vjp`` call: its primal rewritten, its rule kept.
+
+  The call runs with its inputs in the dtypes the function gave them and
+  its body replaced by the rewritten body (cast back to the original output
+  dtypes at its end), so differentiation still goes through the user's own
+  rule, in the dtypes it was written for.
+  """
+  key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
+  sub, consts = _jaxpr.closed(eqn.params[key])
+
+  def body(*args):
+    outs = evaluate(sub, consts, args, rules, outs_float32, flags)
+    return _match(outs, [v.aval.dtype for v in sub.outvars])
+
+  avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in sub.invars]
+  rewritten = jax.make_jaxpr(body)(*avals)
+  invals = _match(invals, [v.aval.dtype for v in eqn.invars])
+  return _jaxpr.bind(eqn, invals, {key: rewritten})
+
+
+def _allow(eqn, invals, rules: Rules, read_in_float32: bool, flags: list[bool]):
+  """An allow-list primitive (a matmul, a convolution): in the half dtype, a
+  recipe, or as the function wrote it.
+
+  Only float32 (or wider) work is cast: a product one of whose operands the
+  function put in a narrower dtype itself keeps its operands and result
+  type; a result type the function set narrower than its operands
+  (``preferred_element_type=bfloat16``) is kept, its float32 operands cast
+  to the half dtype. Otherwise the result is half, or float32 where every
+  reader reads float32 (attention's logits before the softmax). A recipe
+  (``matmul=``) runs every ``dot_general`` of 16- or 32-bit real operands
+  it does not exclude, its result in the dtype just chosen: excluded by
+  module path, or (where the recipe's ``attention`` is off) by being
+  attention's: a product with batch dimensions of two values the function
+  computed.
+  """
+  half = rules.half
+  original = [jnp.dtype(v.aval.dtype) for v in eqn.invars]
+  if not all(is_float(d) for d in original):  # complex, integer: as written
+    return _jaxpr.bind(eqn, invals)
+  pet = eqn.params.get("preferred_element_type")
+  sizes = [d.itemsize for d in original]
+  params = {}
+  if min(sizes) < 4:  # the function's own narrow operands: as written
+    targets = original
+    precision = "/".join(dict.fromkeys(d.name for d in original))
+  else:
+    targets = [jnp.dtype(half)] * len(original)
+    precision = jnp.dtype(half).name
+    default = pet is None or not is_float(pet) or jnp.dtype(pet).itemsize == max(sizes)
+    if default:
+      params["preferred_element_type"] = half
+      if read_in_float32 and "preferred_element_type" in eqn.params:
+        # Every reader converts to float32 anyway: accumulate and return
+        # float32, so no half result exists to overflow.
+        params["preferred_element_type"] = _F32
+  if "preferred_element_type" not in eqn.params:
+    params = {}
+  invals = [cast(x, d) for x, d in zip(invals, targets, strict=True)]
+  if eqn.primitive.name != "dot_general":
+    return _jaxpr.bind(eqn, invals, params)
+  out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
+  dims = eqn.params["dimension_numbers"]
+  attention = _is_attention(eqn, flags)
+  recipe = _recipe(rules.float8, _module_path(), attention) if min(sizes) >= 2 else None
+  _note(eqn, flags, recipe, precision, out_dtype)
+  sharding = eqn.params.get("out_sharding")
+  if recipe is None:
+    return _jaxpr.bind(eqn, invals, params)
+  if isinstance(recipe, _float8.Float8Matmul):
+    # Both operands as they come (float32 parameters are quantised from
+    # float32, not from their half rounding).
+    out = _float8.dot_general(*invals, dims, out_dtype, recipe, out_sharding=sharding)
+  else:
+    out = _block_matmul.dot_general(
+      *invals, dims, out_dtype, recipe, out_sharding=sharding
+    )
+  return [out]
+
+
+def _recipe(recipe, path: str, attention: bool):
+  """The recipe a matmul runs in (``None``: the dtypes just chosen)."""
+  if recipe is None or (attention and not recipe.attention):
+    return None
+  if _block_matmul.excluded(recipe, path):
+    return None
+  return recipe
+
+
+def _is_attention(eqn, flags: list[bool]) -> bool:
+  """A batched product of two values the function computed (not inputs)."""
+  return bool(eqn.params["dimension_numbers"][1][0]) and not any(flags)
+
+
+def _note(eqn, flags, recipe, precision: str, out_dtype) -> None:
+  """A listing's record of this matmul (once per equation, however often
+  its body is traced)."""
+  found = _RECORD[-1]
+  if found is None:
+    return
+  found.setdefault(
+    tuple(i for _, i in _SCOPE),
+    {
+      "path": _module_path(),
+      "kind": "attention" if _is_attention(eqn, flags) else "weight",
+      "lhs_shape": tuple(eqn.invars[0].aval.shape),
+      "rhs_shape": tuple(eqn.invars[1].aval.shape),
+      "out_shape": tuple(eqn.outvars[0].aval.shape),
+      "precision": precision if recipe is None else recipe.fmt,
+      "out_dtype": jnp.dtype(out_dtype).name,
+    },
+  )
+
+
+def _first_order(eqn, invals, rules: Rules):
+  name = eqn.primitive.name
+  kind = rules.kind(name)
+  if name == "mul" and eqn.invars[0] is eqn.invars[1]:
+    kind = rules.kind("square")  # x * x is square(x), and x ** 2: one rule
+  half = rules.half
+  original = [v.aval.dtype for v in eqn.invars]
+  floating = [i for i, d in enumerate(original) if is_float(d)]
+  if not floating or name == "convert_element_type":
+    # No real floating input (complex, integer, boolean, keys): as written.
+    # A conversion the function writes keeps its target dtype.
+    return _jaxpr.bind(eqn, invals)
+  if kind == "allow":
+    targets = {i: half for i in floating if jnp.dtype(original[i]).itemsize >= 4}
+  elif kind == "deny":
+    targets = {i: original[i] for i in floating}
+  else:  # infer and clear: half only if every (non-follower) float input is
+    leaders = [i for i in floating if not _follower(eqn.invars[i], invals[i])]
+    if kind == "clear" and len(leaders) <= 1 and len(floating) <= 1:
+      targets = {}
+    else:
+      all_half = bool(leaders) and all(invals[i].dtype == half for i in leaders)
+      targets = {i: (half if all_half else original[i]) for i in floating}
+  done: dict[tuple[int, Any], Any] = {}  # one conversion per value and dtype
+
+  def cast_once(x, dtype):
+    if (id(x), dtype) not in done:
+      done[id(x), dtype] = cast(x, dtype)
+    return done[id(x), dtype]
+
+  invals = [
+    cast_once(x, targets[i]) if i in targets else x for i, x in enumerate(invals)
+  ]
+  return _jaxpr.bind(eqn, invals)
+
+
+def _scan(eqn, invals, rules, flags):
+  p = eqn.params
+  sub, consts = _jaxpr.closed(p["jaxpr"])
+  nc, ncarry = p["num_consts"], p["num_carry"]
+  cvals, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
+  carry_dtypes = [x.dtype for x in init]
+  inputs = [*flags[:nc], *[False] * ncarry, *flags[nc + ncarry :]]
+
+  def body(carry, x):
+    outs = evaluate(sub, consts, [*cvals, *carry, *x], rules, None, inputs)
+    return tuple(_match(outs[:ncarry], carry_dtypes)), tuple(outs[ncarry:])
+
+  carry, ys = lax.scan(
+    body,
+    tuple(init),
+    tuple(xs),
+    length=p["length"],
+    reverse=p["reverse"],
+    unroll=p["unroll"],
+  )
+  return [*carry, *ys]
+
+
+def _while(eqn, invals, rules, flags):
+  p = eqn.params
+  cj, cconsts = _jaxpr.closed(p["cond_jaxpr"])
+  bj, bconsts = _jaxpr.closed(p["body_jaxpr"])
+  nc, nb = p["cond_nconsts"], p["body_nconsts"]
+  cvals, bvals, init = invals[:nc], invals[nc : nc + nb], invals[nc + nb :]
+  dtypes = [x.dtype for x in init]
+  n = len(init)
+
+  cflags = [*flags[:nc], *[False] * n]
+  bflags = [*flags[nc : nc + nb], *[False] * n]
+
+  def cond_fun(carry):
+    return evaluate(cj, cconsts, [*cvals, *carry], rules, None, cflags)[0]
+
+  def body_fun(carry):
+    outs = evaluate(bj, bconsts, [*bvals, *carry], rules, None, bflags)
+    return tuple(_match(outs, dtypes))
+
+  return list(lax.while_loop(cond_fun, body_fun, tuple(init)))
+
+
+def _cond(eqn, invals, rules, flags):
+  index, ops = invals[0], invals[1:]
+  flags = flags[1:]
+  branches = [_jaxpr.closed(b) for b in eqn.params["branches"]]
+
+  def run(b, o):
+    return evaluate(b[0], b[1], o, rules, None, flags)
+
+  with _not_recording():  # the branches are recorded once, when they run
+    shapes = [jax.eval_shape(lambda *o, b=b: run(b, o), *ops) for b in branches]
+  # Each output in the widest dtype any branch gives it.
+  dtypes = [
+    max((s[i].dtype for s in shapes), key=lambda d: jnp.dtype(d).itemsize)
+    for i in range(len(shapes[0]))
+  ]
+  fns = [lambda *o, b=b: tuple(_match(run(b, o), dtypes)) for b in branches]
+  return list(lax.switch(index, fns, *ops))

@@ -1,0 +1,82 @@
+"""list_matmuls: each matmul of a function, and the precision it runs in."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from optax_lossscale import _autocast, _autocast_eval
+from optax_lossscale._autocast_rules import Rules
+
+__all__ = ["Matmul", "format_matmuls", "list_matmuls"]
+
+
+class Matmul(NamedTuple):
+  """One ``dot_general`` of a function, as :func:`list_matmuls` finds it."""
+
+  path: str
+  kind: str
+  lhs_shape: tuple
+  rhs_shape: tuple
+  out_shape: tuple
+  precision: str
+  out_dtype: str
+
+
+#: The rules of a function that is not an autocast one: every primitive as
+#: written (each is denied, and a denied input keeps its dtype).
+_AS_WRITTEN = Rules(jnp.float16, (), (), (), ())
+
+
+def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
+  """Each matmul ``fun(*args, **kwargs)`` computes, and how it runs.
+
+  The answer to "did my model really run in NVFP4?": ``fun`` is traced
+  (abstractly, nothing computed, no Variable written) and each
+  ``dot_general`` in it, at any depth (calls, ``scan``, ``cond``,
+  checkpoints, custom-derivative bodies), is listed once, in the order it
+  runs, with the decision autocast's rewrite itself takes for it.
+
+  Args:
+    fun: a function made by :func:`~optax_lossscale.autocast` (its
+      compute dtype and recipe), or any function (its matmuls as written).
+    *args, **kwargs: its arguments (arrays, or ``jax.ShapeDtypeStruct``).
+
+  Returns:
+    A list of :class:`Matmul` (a named tuple): ``path``, the module path
+    (the jaxpr's name stack, e.g. ``"Transformer/block_0/Dense_1"``, which a
+    recipe's ``exclude`` matches); ``kind``, ``"attention"`` for a batched
+    product of two values the function computed, else ``"weight"``;
+    ``lhs_shape``, ``rhs_shape`` and ``out_shape``; ``precision``, the
+    recipe (``"float8"``, ``"mxfp8"``, ``"nvfp4"``) or the dtype of the
+    operands it multiplies (``"bfloat16"``, ``"float32"``...); and
+    ``out_dtype``, its result's dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, optax_lossscale as ols
+    >>> f = lambda w, x: jnp.einsum("btd,df->btf", x, w).sum()
+    >>> g = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="nvfp4")
+    >>> [(m.kind, m.precision) for m in ols.list_matmuls(g, jnp.ones((4, 8)),
+    ...                                                  jnp.ones((2, 3, 4)))]
+    [('weight', 'nvfp4')]
+  """
+  inner, rules = getattr(fun, "_autocast", (fun, _AS_WRITTEN))
+  _, spec, arrays = _autocast.prepare(inner, args, kwargs)
+  with _autocast_eval.recording() as found:
+    jax.eval_shape(functools.partial(_autocast.rewritten, inner, rules, spec), *arrays)
+  return [Matmul(**entry) for entry in found.values()]
+
+
+def format_matmuls(matmuls: list[Matmul]) -> str:
+  """:func:`list_matmuls`' answer as a table, one line per matmul."""
+  rows = [("path", "kind", "lhs x rhs -> out", "precision", "result")]
+  for m in matmuls:
+    shapes = f"{m.lhs_shape} x {m.rhs_shape} -> {m.out_shape}"
+    rows.append((m.path or "-", m.kind, shapes, m.precision, m.out_dtype))
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return "\n".join(
+    "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+  )
