@@ -39,6 +39,8 @@ napoleon_use_rtype = False
 
 html_theme = "sphinx_book_theme"
 html_title = "optax_lossscale"
+html_static_path = ["_static"]
+html_css_files = ["layout.css"]  # the content column uses the page
 html_theme_options = {
   "show_toc_level": 2,
   "home_page_in_toc": True,

@@ -193,6 +193,9 @@ def test_the_docs_build_with_warnings_as_errors(tmp_path):
   for raw in (".. py:", ":param ", ".. rubric::", "```{"):
     assert raw not in api, raw
   assert (tmp_path / "html" / "_modules").is_dir()  # the [source] links
+  # The content column uses the page (docs/_static/layout.css), every page.
+  for page in ("index.html", "guides/float8.html", "api.html"):
+    assert "_static/layout.css" in (tmp_path / "html" / page).read_text(), page
 
 
 # --------------------------------------------------------------------------
