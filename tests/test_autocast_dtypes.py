@@ -1,0 +1,101 @@
+"""autocast keeps what the function chose: only float32 work is cast.
+
+A matmul whose operands the function put in a 16-bit dtype itself, or
+whose result type it set, keeps that dtype; complex, integer and boolean
+values are never rewritten. Each over every rule kind: the allow, deny and
+infer lists and the float8, MXFP8 and NVFP4 recipes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import optax_lossscale as ols
+
+BF16 = jnp.dtype(jnp.bfloat16)
+RECIPES = [None, "float8", "mxfp8", "nvfp4"]
+# 32 x 64 x 3744 = 119808: finite in bfloat16, above float16's 65504.
+A = jnp.full((2, 32), 64.0, jnp.float32)
+B = jnp.full((32, 2), 58.5, jnp.float32)
+BIG = 64.0 * 58.5 * 32
+
+
+def _own_operands(a, b):
+  return a.astype(jnp.bfloat16) @ b.astype(jnp.bfloat16)
+
+
+def _own_result_type(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("matmul", RECIPES)
+@pytest.mark.parametrize("f", [_own_operands, _own_result_type])
+def test_a_matmul_the_function_put_in_bfloat16_stays_bfloat16(f, matmul):
+  fast = ols.autocast(f, compute_dtype=jnp.float16, matmul=matmul)
+  got = fast(A, B)
+  assert got.dtype == BF16
+  assert bool(jnp.all(jnp.isfinite(got)))  # float16 would overflow to inf
+  if matmul is None:  # the values are exact in every recipe but NVFP4's
+    np.testing.assert_array_equal(got.astype(jnp.float32), BIG)
+  else:
+    np.testing.assert_allclose(got.astype(jnp.float32), BIG, rtol=0.1)
+  (found,) = ols.list_matmuls(fast, A, B)
+  assert found.out_dtype == "bfloat16"
+  want = {None: "bfloat16" if f is _own_operands else "float16"}.get(matmul, matmul)
+  assert found.precision == want
+
+
+@pytest.mark.parametrize(
+  "name, f",
+  [
+    ("deny: exp", lambda x: jnp.exp(x.astype(jnp.bfloat16))),
+    ("infer: add", lambda x: x.astype(jnp.bfloat16) + x.astype(jnp.bfloat16)),
+    ("infer: tanh", lambda x: jnp.tanh(x.astype(jnp.bfloat16))),
+    ("clear: reshape", lambda x: x.astype(jnp.bfloat16).reshape(-1)),
+  ],
+)
+def test_elementwise_work_the_function_put_in_bfloat16_stays_bfloat16(name, f):
+  x = jnp.linspace(-2, 2, 8, dtype=jnp.float32)
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  eqns = jax.make_jaxpr(fast)(x).eqns[0].params["jaxpr"].eqns
+  # no float16 anywhere: nothing of the function's own bfloat16 work is recast
+  assert not any(v.aval.dtype == jnp.float16 for e in eqns for v in e.outvars), name
+  np.testing.assert_array_equal(fast(x), f(x))
+
+
+C = jnp.asarray(np.random.default_rng(0).normal(size=(4, 4)) * (1 + 1j), jnp.complex64)
+INTS = jnp.arange(16, dtype=jnp.int32).reshape(4, 4)
+NON_REAL = {
+  "complex matmul read by real": lambda c, i: jnp.sum(jnp.real(c @ c)),
+  "complex matmul read by abs": lambda c, i: jnp.sum(jnp.abs(c @ c)),
+  "complex matmul read by conj": lambda c, i: jnp.real(jnp.sum(jnp.conj(c @ c))),
+  "complex exp (deny)": lambda c, i: jnp.sum(jnp.real(jnp.exp(c))),
+  "complex mul (infer)": lambda c, i: jnp.sum(jnp.imag(c * c + c)),
+  "complex einsum": lambda c, i: jnp.sum(jnp.angle(jnp.einsum("ij,jk->ik", c, c))),
+  "integer matmul read in float32": lambda c, i: jnp.sum((i @ i).astype(jnp.float32)),
+  "integer dot_general": lambda c, i: lax.dot_general(
+    i.astype(jnp.int8), i.astype(jnp.int8), (((1,), (0,)), ((), ()))
+  ).sum(),
+  "boolean matmul": lambda c, i: jnp.sum(((i > 7) @ (i > 3)).astype(jnp.float32)),
+}
+
+
+@pytest.mark.parametrize("matmul", RECIPES)
+@pytest.mark.parametrize("name", NON_REAL)
+def test_non_real_values_are_never_rewritten(name, matmul):
+  f = NON_REAL[name]
+  fast = ols.autocast(f, compute_dtype=jnp.float16, matmul=matmul)
+  got, want = fast(C, INTS), f(C, INTS)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("matmul", RECIPES)
+def test_float32_work_is_still_cast(matmul):
+  f = lambda a, b: jnp.tanh(a @ b)  # noqa: E731
+  fast = ols.autocast(f, compute_dtype=jnp.float16, matmul=matmul)
+  (found,) = ols.list_matmuls(fast, A / 64, B / 64)
+  assert found.precision == (matmul or "float16") and found.out_dtype == "float16"
+  assert fast(A / 64, B / 64).dtype == jnp.float32
