@@ -1,0 +1,258 @@
+"""8-bit optimizer state: quantize_state(adam) against float32 Adam, measured.
+
+Three sections:
+
+* ``costs``: the update step (optimizer update + apply) on ``bench.py``'s
+  8.4M-parameter workload (64 float32 leaves): optimizer-state bytes per
+  parameter, XLA's cost-analysis "bytes accessed", XLA's temporary memory
+  and the median time, for ``optax.adam`` and ``quantize_state(optax.adam)``,
+  and for bfloat16 parameters under ``master_weights(store="remainder")``
+  around each;
+* ``train``: the main example's transformer and the digits MLP
+  (``bf16_params.py``'s tasks: the same data, batches and models, computing
+  in bfloat16), three seeds, final validation loss of float32 Adam, of
+  float32 parameters + 8-bit Adam, and of bfloat16 parameters +
+  ``master_weights(store="remainder")`` + 8-bit Adam, with the bytes per
+  parameter of each (parameters, masters, moments, scales);
+* ``nu``: how the second moment's storage changes Adam's step: from the
+  float32 transformer run's final second moment (seed 0), the relative
+  error of ``1 / (sqrt(nu) + eps)`` when ``nu`` is stored as is and when
+  its square root is stored (both with the unsigned dynamic map, blocks of
+  256), and the fraction of nonzero entries that become 0.
+
+Run:  python benchmarks/quantize_state.py [--quick] [--sections costs,train,nu]
+It prints Markdown tables and writes them to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
+
+import bench  # noqa: E402
+import bf16_params  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import optax_lossscale as ols  # noqa: E402
+
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+
+# name: (parameter dtype, optimizer from the learning rate)
+CONFIGS = {
+  "float32 Adam": (F32, optax.adam),
+  "float32 params + 8-bit Adam": (F32, lambda lr: ols.quantize_state(optax.adam(lr))),
+  "bf16 params + remainder + 8-bit Adam": (
+    BF16,
+    lambda lr: ols.master_weights(ols.quantize_state(optax.adam(lr))),
+  ),
+}
+COST_CONFIGS = {
+  **CONFIGS,
+  "bf16 params + remainder + float32 Adam": (
+    BF16,
+    lambda lr: ols.master_weights(optax.adam(lr)),
+  ),
+}
+
+
+def state_bytes(tree):
+  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def train(name, params, batches, loss_fn, evaluate, lr):
+  """One configuration's run: final validation loss/accuracy, bytes/param."""
+  dtype, make = CONFIGS[name]
+  params = jax.tree.map(lambda p: p.astype(dtype), params)
+  tx = make(lr)
+  state = tx.init(params)
+  n = sum(p.size for p in jax.tree.leaves(params))
+
+  @jax.jit
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  for batch in batches:
+    params, state, _ = step(params, state, batch)
+  loss, acc = evaluate(jax.tree.map(lambda p: p.astype(F32), params))
+  return dict(
+    loss=float(loss),
+    acc=float(acc),
+    params=state_bytes(params) / n,
+    state=state_bytes(state) / n,
+    final=(params, state),
+  )
+
+
+def compare(task, steps, seeds, lr):
+  out = {name: [] for name in CONFIGS}
+  for seed in seeds:
+    _, params, batches, loss_fn, evaluate = task(steps, seed)
+    for name in CONFIGS:
+      t = time.perf_counter()
+      r = train(name, params, batches, loss_fn, evaluate, lr)
+      out[name].append(r)
+      print(
+        f"  seed {seed} {name:<40} loss {r['loss']:.4f} acc {r['acc']:.4f} "
+        f"({time.perf_counter() - t:.0f} s)",
+        flush=True,
+      )
+  return out
+
+
+def train_table(results, ref="float32 Adam"):
+  base = results[ref]
+  rows = [
+    "| setup | val loss (mean) | gap to float32 Adam, per seed | spread of "
+    "float32 Adam's seeds | accuracy | bytes/param: params + state |",
+    "| --- | --- | --- | --- | --- | --- |",
+  ]
+  spread = np.ptp([r["loss"] for r in base])
+  for name, rs in results.items():
+    gaps = [r["loss"] - b["loss"] for r, b in zip(rs, base, strict=True)]
+    rows.append(
+      f"| {name} | {np.mean([r['loss'] for r in rs]):.4f} | "
+      f"{', '.join(f'{g:+.4f}' for g in gaps)} (mean {np.mean(gaps):+.4f}) | "
+      f"{spread:.4f} | {100 * np.mean([r['acc'] for r in rs]):.2f}% | "
+      f"{rs[0]['params']:.2f} + {rs[0]['state']:.2f} = "
+      f"{rs[0]['params'] + rs[0]['state']:.2f} |"
+    )
+  return "\n".join(rows)
+
+
+def update_costs(calls, rounds):
+  """The update step of each configuration on bench.py's 8.4M parameters."""
+  params32 = bench.layers()
+  n = sum(p.size for p in jax.tree.leaves(params32))
+  grads = bench.grads_like(params32)
+  entries, bytes_ = [], []
+  for dtype, make in COST_CONFIGS.values():
+    params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
+    tx = make(bench.LR)
+    state = tx.init(params)
+    bytes_.append((state_bytes(params) / n, state_bytes(state) / n))
+
+    def step(carry, g, tx=tx):
+      p, s = carry
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    entries.append((step, (params, state), grads))
+  results = bench.measure_many(entries, calls, rounds=rounds)
+  rows = [
+    f"Update step on {n:,} parameters in {len(params32)} leaves:",
+    "",
+    "| setup | params + state, bytes/param | bytes accessed | vs float32 Adam "
+    "| temporary memory | time | vs float32 Adam |",
+    "| --- | --- | --- | --- | --- | --- | --- |",
+  ]
+  ref = results[0]
+  for name, r, (pb, sb) in zip(COST_CONFIGS, results, bytes_, strict=True):
+    rows.append(
+      f"| {name} | {pb:.2f} + {sb:.2f} = {pb + sb:.2f} | "
+      f"{r['bytes'] / 1e6:.1f} MB | {r['bytes'] / ref['bytes']:.2f}x | "
+      f"{r['temp_bytes'] / 1e6:.1f} MB | {r['median_s'] * 1e3:.2f} ms | "
+      f"{r['median_s'] / ref['median_s']:.2f}x |"
+    )
+  return "\n".join(rows)
+
+
+def _roundtrip(x, root):
+  """``x`` (>= 0) through one quantisation, stored as is or as its root."""
+  from optax_lossscale import _quantize_state as q
+
+  y = jnp.sqrt(x) if root else x
+  v = q._encode(y, 256).dequantize()
+  return v * v if root else v
+
+
+def nu_storage(steps, lr, eps=1e-8):
+  """Adam's step factor 1/(sqrt(nu)+eps) after quantising nu two ways."""
+  _, params, batches, loss_fn, evaluate = bf16_params.lm_task(steps, 0)
+  r = train("float32 Adam", params, batches, loss_fn, evaluate, lr)
+  nu = [x for x in jax.tree.leaves(r["final"][1][0].nu) if x.size >= 4096]
+  rows = [
+    "| nu stored as | median rel. error of 1/(sqrt(nu)+eps) | 99th percentile "
+    "| max | nonzero entries made 0 |",
+    "| --- | --- | --- | --- | --- |",
+  ]
+  for root in (False, True):
+    errs, zeros, nonzero = [], 0, 0
+    for x in nu:
+      v = _roundtrip(x, root)
+      f, g = 1 / (jnp.sqrt(x) + eps), 1 / (jnp.sqrt(v) + eps)
+      errs.append(np.asarray(jnp.abs(g - f) / f).ravel())
+      zeros += int(jnp.sum((v == 0) & (x > 0)))
+      nonzero += int(jnp.sum(x > 0))
+    e = np.concatenate(errs)
+    rows.append(
+      f"| {'sqrt(nu)' if root else 'nu'} | {np.median(e):.2e} | "
+      f"{np.percentile(e, 99):.2e} | {e.max():.2e} | {zeros / nonzero:.2e} |"
+    )
+  return (
+    f"Adam's second moment of the float32 transformer run ({steps} steps, seed "
+    f"0; {sum(x.size for x in nu):,} entries in leaves of >= 4096):\n\n"
+    + "\n".join(rows)
+  )
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(
+    description=__doc__.splitlines()[0],
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  p.add_argument("--lm-steps", type=int, default=300, help="transformer steps per run")
+  p.add_argument("--mlp-steps", type=int, default=2000, help="MLP steps per run")
+  p.add_argument("--seeds", type=int, default=3, help="seeds per configuration")
+  p.add_argument("--lm-lr", type=float, default=1e-3, help="transformer learning rate")
+  p.add_argument("--mlp-lr", type=float, default=3e-4, help="MLP learning rate")
+  p.add_argument("--calls", type=int, default=20, help="timed update steps a round")
+  p.add_argument("--quick", action="store_true", help="a few steps of everything")
+  p.add_argument("--sections", default="costs,train,nu", help="comma-separated")
+  p.add_argument(
+    "--out",
+    default=os.path.join(HERE, "out", "quantize_state.md"),
+    help="markdown report",
+  )
+  args = p.parse_args(argv)
+  if args.quick:
+    args.lm_steps, args.mlp_steps, args.seeds, args.calls = 5, 20, 1, 2
+  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+  sections = args.sections.split(",")
+  parts = []
+  if "costs" in sections:
+    parts.append(update_costs(args.calls, rounds=1 if args.quick else 3))
+    print(parts[-1], flush=True)
+  if "train" in sections:
+    seeds = range(args.seeds)
+    print("transformer:", flush=True)
+    lm = compare(bf16_params.lm_task, args.lm_steps, seeds, args.lm_lr)
+    print("MLP:", flush=True)
+    mlp = compare(bf16_params.mlp_task, args.mlp_steps, seeds, args.mlp_lr)
+    parts += [
+      f"Transformer ({args.lm_steps} steps, learning rate {args.lm_lr}, seeds "
+      f"0-{args.seeds - 1}; validation loss in nats per byte):",
+      train_table(lm),
+      f"MLP ({args.mlp_steps} steps, learning rate {args.mlp_lr}, seeds "
+      f"0-{args.seeds - 1}; test set of the digits):",
+      train_table(mlp),
+    ]
+    print("\n\n".join(parts[-4:]), flush=True)
+  if "nu" in sections:
+    parts.append(nu_storage(args.lm_steps, args.lm_lr))
+    print(parts[-1], flush=True)
+  with open(args.out, "w") as f:
+    f.write("\n\n".join(parts) + "\n")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,424 @@
+"""quantize_state: 8-bit block-quantised optimizer state, and how it composes.
+
+The codes are checked against a NumPy nearest-code search on the two maps;
+each update against the inner optimizer run on the dequantised state; and
+the transformation under a loss scale's skipped step, master_weights,
+MultiSteps, inject_hyperparams, masked/multi_transform, donation and an
+Orbax round trip.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+from optax_lossscale import _quantize_state as q
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam, apply_updates
+
+SHAPE = (16, 512)  # 8192 elements: quantised at the default min_size
+
+
+def _params(seed=0, shape=SHAPE):
+  rng = np.random.default_rng(seed)
+  return {
+    "w": jnp.asarray(rng.normal(size=shape), jnp.float32),
+    "b": jnp.asarray(rng.normal(size=(7,)), jnp.float32),
+  }
+
+
+def _grads(params, seed=1):
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+    lambda p: jnp.asarray(rng.normal(size=p.shape) * rng.uniform(1e-4, 1), p.dtype),
+    params,
+  )
+
+
+def _nearest(x, code):
+  """Nearest code index in float64, ties to the lower index."""
+  d = np.abs(x[:, None].astype(np.float64) - code[None, :].astype(np.float64))
+  return np.argmin(d, axis=1)
+
+
+def _bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+# --------------------------------------------------------------------------
+# The maps and one leaf.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_the_dynamic_maps(signed):
+  code = q.dynamic_map(signed)
+  assert code.dtype == np.float32 and code.shape == (256,)
+  assert np.all(np.diff(code) > 0)
+  assert code[-1] == 1.0 and 0.0 in code
+  assert (code < 0).sum() == (127 if signed else 0)
+  # seven decades: the smallest positive value is in [1e-7, 1e-6)
+  assert 1e-7 <= code[code > 0].min() < 1e-6
+
+
+@pytest.mark.parametrize(
+  ("shape", "block", "scales"),
+  [
+    ((4096,), 256, (16,)),
+    ((16, 512), 256, (16, 2)),  # blocks along the last axis, rows whole
+    ((8, 32, 16), 256, (8, 2)),  # the trailing 512 elements hold 2 blocks
+    ((3, 100), 256, (2,)),  # no axis fits: the flattened array, padded
+    ((64, 64), 64, (64, 1)),
+  ],
+)
+def test_each_element_takes_its_nearest_code(shape, block, scales):
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=shape).astype(np.float32) * np.logspace(-6, 1, shape[-1])
+  x = x.astype(np.float32)
+  x.reshape(-1)[:block] = np.abs(x.reshape(-1)[:block])
+  leaf = q._encode(jnp.asarray(x), block)
+  assert leaf.codes.shape == shape and leaf.codes.dtype == jnp.uint8
+  assert leaf.scales.shape == scales
+  flat = x.reshape(-1)
+  pad = -flat.size % block
+  blocks = np.concatenate([flat, np.zeros(pad, np.float32)]).reshape(-1, block)
+  absmax = np.abs(blocks).max(axis=1)
+  signed = (blocks < 0).any(axis=1)
+  np.testing.assert_array_equal(
+    np.asarray(leaf.scales).reshape(-1), np.where(signed, -absmax, absmax)
+  )
+  want = [
+    _nearest(np.clip(b * (np.float32(1) / np.abs(b).max()), -1, 1), q.dynamic_map(s))
+    for b, s in zip(blocks, signed, strict=True)
+  ]
+  np.testing.assert_array_equal(
+    np.asarray(leaf.codes).reshape(-1), np.concatenate(want)[: flat.size]
+  )
+  assert not signed[0]  # the first block is all >= 0: the unsigned map
+  back = np.asarray(leaf.dequantize())
+  assert back.shape == shape
+  np.testing.assert_allclose(back, x, rtol=0, atol=float(np.abs(x).max()) * 0.04)
+
+
+def test_a_value_halfway_between_two_codes_rounds_down():
+  code = q.dynamic_map(False)
+  mids = (code[:-1].astype(np.float64) + code[1:]) / 2
+  i = next(i for i in range(200, 255) if np.float32(mids[i]) == mids[i])
+  mid = mids[i]  # a midpoint that float32 holds exactly
+  x = jnp.asarray(np.r_[np.float32(mid), np.float32(1.0), np.zeros(254, np.float32)])
+  assert int(q._encode(x, 256).codes[0]) == i
+  above = jnp.asarray(np.nextafter(np.float32(mid), np.float32(2)))
+  assert int(q._encode(x.at[0].set(above), 256).codes[0]) == i + 1
+
+
+def test_zeros_and_non_finite_blocks():
+  x = jnp.zeros(512).at[300].set(jnp.nan)
+  leaf = q._encode(x, 256)
+  assert float(leaf.scales[0]) == 0.0 and np.isposinf(leaf.scales[1])
+  back = leaf.dequantize()
+  np.testing.assert_array_equal(back[:256], 0.0)
+  assert not bool(jnp.any(jnp.isfinite(back[256:])))
+  inf = q._encode(jnp.ones(256).at[3].set(-jnp.inf), 256)
+  assert np.isinf(inf.scales[0])
+
+
+# --------------------------------------------------------------------------
+# The transformation.
+# --------------------------------------------------------------------------
+
+
+def test_which_leaves_are_quantised_and_the_bytes():
+  params = {**_params(), "i": jnp.arange(8192, dtype=jnp.int32)}
+  tx = ols.quantize_state(optax.adam(1e-3))
+  state = tx.init(params)
+  adam = state.inner_state[0]
+  assert isinstance(adam.mu["w"], ols.QuantizedLeaf)
+  assert isinstance(adam.nu["w"], ols.QuantizedLeaf)
+  assert not isinstance(adam.mu["b"], ols.QuantizedLeaf)  # below min_size
+  assert adam.count.dtype == jnp.int32
+  n = params["w"].size
+  w_bytes = sum(x.nbytes for x in jax.tree.leaves((adam.mu["w"], adam.nu["w"])))
+  assert w_bytes / n == 2 + 2 * 4 / 256  # two codes and two scales per 256
+  small = ols.quantize_state(optax.adam(1e-3), min_size=8193).init(params)
+  assert not any(
+    isinstance(x, ols.QuantizedLeaf)
+    for x in jax.tree.leaves(small, is_leaf=lambda x: isinstance(x, ols.QuantizedLeaf))
+  )
+
+
+def test_an_update_is_the_inner_update_on_the_dequantised_state_quantised():
+  params = _params()
+  tx = ols.quantize_state(optax.adam(1e-2))
+  adam = optax.adam(1e-2)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  ref_step = jax.jit(adam.update)
+  for seed in range(3):
+    g = _grads(params, seed)
+    inner = jax.tree.map(
+      lambda x: x.dequantize() if isinstance(x, ols.QuantizedLeaf) else x,
+      state.inner_state,
+      is_leaf=lambda x: isinstance(x, ols.QuantizedLeaf),
+    )
+    want_u, want_state = ref_step(g, inner, params)
+    updates, state = step(g, state, params)
+    assert _bits(updates) == _bits(want_u)
+    for name in ("mu", "nu"):
+      got = getattr(state.inner_state[0], name)["w"]
+      want = q._encode(getattr(want_state[0], name)["w"], 256)
+      assert _bits(got) == _bits(want)
+      np.testing.assert_array_equal(
+        getattr(state.inner_state[0], name)["b"], getattr(want_state[0], name)["b"]
+      )
+    params = optax.apply_updates(params, updates)
+  nu = state.inner_state[0].nu["w"]
+  assert bool(jnp.all(nu.scales >= 0))  # Adam's second moment: unsigned
+  assert bool(jnp.all(state.inner_state[0].mu["w"].scales < 0))  # signed
+
+
+def test_it_follows_float32_adam_closely():
+  params = _params()
+  runs = {}
+  for name, tx in (
+    ("q", ols.quantize_state(optax.adam(1e-2))),
+    ("f", optax.adam(1e-2)),
+  ):
+    p, s = params, tx.init(params)
+    step = jax.jit(tx.update)
+    for i in range(20):
+      u, s = step(_grads(params, i), s, p)
+      p = optax.apply_updates(p, u)
+    runs[name] = p
+  drift = np.abs(np.asarray(runs["q"]["w"] - runs["f"]["w"]))
+  moved = np.abs(np.asarray(runs["f"]["w"] - params["w"]))
+  assert drift.max() < 0.05 * moved.max()
+  np.testing.assert_array_equal(runs["q"]["b"], runs["f"]["b"])  # not quantised
+
+
+def test_dequantize_state_at_any_depth():
+  params = _params()
+  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
+  state = tx.init(params)
+  _, state = tx.update(_grads(params), state, params)
+  d = ols.dequantize_state(state)
+  assert isinstance(d, ols.LossScaleState)
+  mu = d.inner_state[0].mu["w"]
+  assert mu.dtype == jnp.float32 and mu.shape == SHAPE
+  leaf = state.inner_state.inner_state[0].mu["w"]
+  np.testing.assert_array_equal(mu, leaf.dequantize())
+  direct = ols.dequantize_state(state.inner_state)
+  assert _bits(direct) == _bits(d.inner_state)
+  with pytest.raises(ValueError, match="holds no quantize_state state"):
+    ols.dequantize_state(optax.adam(1e-3).init(params))
+
+
+def test_a_bfloat16_state_leaf_comes_back_in_bfloat16():
+  params = _params()
+  tx = ols.quantize_state(optax.adam(1e-3, mu_dtype=jnp.bfloat16))
+  state = tx.init(params)
+  assert state.inner_state[0].mu["w"].dtype == jnp.bfloat16
+  _, state = jax.jit(tx.update)(_grads(params), state, params)
+  assert ols.dequantize_state(state)[0].mu["w"].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    ({"bits": 4}, "`bits`"),
+    ({"bits": 16}, "`bits`"),
+    ({"bits": True}, "`bits`"),
+    ({"block_size": 1}, "`block_size`"),
+    ({"block_size": 0}, "`block_size`"),
+    ({"block_size": 100}, "`block_size`"),
+    ({"block_size": 2.5}, "block_size"),
+    ({"min_size": -1}, "`min_size`"),
+    ({"min_size": "big"}, "min_size"),
+  ],
+)
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ols.quantize_state(optax.adam(1e-3), **kwargs)
+
+
+def test_not_a_transformation():
+  with pytest.raises(ValueError, match="`inner`"):
+    ols.quantize_state(optax.adam)
+
+
+def test_a_state_of_another_structure_is_refused_naming_the_leaf():
+  tx = ols.quantize_state(optax.adam(1e-3))
+  params = _params()
+  state = tx.init(params)
+  other = _params(shape=(8, 512))
+  with pytest.raises(ValueError, match=r"leaf at .*mu.*\['w'\]"):
+    tx.update(_grads(other), state, other)
+  with pytest.raises(ValueError, match="not a QuantizedState"):
+    tx.update(_grads(params), optax.adam(1e-3).init(params), params)
+  plain = ols.quantize_state(optax.adam(1e-3), min_size=10**6).init(params)
+  with pytest.raises(ValueError, match=r"leaf at .*mu.*\['w'\] is float32\[16, 512\]"):
+    tx.update(_grads(params), plain, params)
+  wrong_block = ols.quantize_state(optax.adam(1e-3), block_size=128).init(params)
+  with pytest.raises(ValueError, match="block_size"):
+    tx.update(_grads(params), wrong_block, params)
+
+
+def test_master_weights_inside_it_is_refused():
+  tx = ols.quantize_state(ols.master_weights(optax.adam(1e-3)))
+  with pytest.raises(ValueError, match="inside it"):
+    tx.init(jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params()))
+
+
+# --------------------------------------------------------------------------
+# Composition.
+# --------------------------------------------------------------------------
+
+
+def test_a_skipped_step_leaves_the_quantised_state_bit_for_bit():
+  params = _params()
+  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
+  state = tx.init(params)
+  step = jax.jit(lambda s, g: tx.update(g, s, params))
+  _, state = step(state, _grads(params))
+  before = _bits(state.inner_state)
+  bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), _grads(params, 2))
+  updates, after = step(state, bad)
+  assert int(after.skipped_steps) == 1
+  assert _bits(after.inner_state) == before
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+
+
+def test_under_master_weights_a_bfloat16_model_keeps_exact_masters():
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params())
+  tx = ols.master_weights(ols.quantize_state(optax.adam(1e-3)))
+  state = tx.init(params)
+  mw = state
+  assert isinstance(mw, ols.MasterWeightsState)
+  assert mw.master["w"].dtype == jnp.int16  # the remainder, never quantised
+  mu = mw.inner_state.inner_state[0].mu["w"]
+  assert isinstance(mu, ols.QuantizedLeaf) and mu.dtype == jnp.float32
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  # the masters are a float32 run of quantize_state(adam), bit for bit
+  ref = ols.quantize_state(optax.adam(1e-3))
+  rp = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  rs = ref.init(rp)
+
+  @jax.jit
+  def ref_step(p, s, g):
+    g = jax.tree.map(lambda x: x.astype(jnp.float32), g)  # as master_weights
+    u, s = ref.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  for i in range(5):
+    g = _grads(params, i)
+    params, state = step(params, state, g)
+    rp, rs = ref_step(rp, rs, g)
+  assert _bits(ols.get_master_weights(state, params)) == _bits(rp)
+  assert _bits(state.inner_state) == _bits(rs)
+  scaled = ols.dynamic_loss_scale(tx)  # the loss scale finds the masters in it
+  assert ols._state.wants_float32_gradients(scaled.init(params))
+
+
+def test_multisteps_outside_it_leaves_the_state_alone_between_updates():
+  params = _params()
+  tx = optax.MultiSteps(ols.quantize_state(optax.adam(1e-3)), every_k_schedule=2)
+  state = tx.init(params)
+  step = jax.jit(lambda s, g: tx.update(g, s, params))
+  before = _bits(state.inner_opt_state)
+  _, state = step(state, _grads(params, 0))
+  assert _bits(state.inner_opt_state) == before  # a mini-step
+  _, state = step(state, _grads(params, 1))
+  assert _bits(state.inner_opt_state) != before
+  assert isinstance(state.inner_opt_state.inner_state[0].mu["w"], ols.QuantizedLeaf)
+
+
+def test_inject_hyperparams_inside_it():
+  params = _params()
+  tx = ols.quantize_state(optax.inject_hyperparams(optax.adam)(learning_rate=1e-3))
+  state = tx.init(params)
+  hp = state.inner_state.hyperparams
+  hp["learning_rate"] = jnp.asarray(0.0)
+  updates, state = jax.jit(tx.update)(_grads(params), state, params)
+  assert all(not np.any(np.asarray(u)) for u in jax.tree.leaves(updates))
+  assert isinstance(state.inner_state.inner_state[0].mu["w"], ols.QuantizedLeaf)
+
+
+def test_masked_and_multi_transform():
+  params = _params()
+  masked = ols.quantize_state(optax.masked(optax.adam(1e-3), {"w": True, "b": False}))
+  state = masked.init(params)
+  updates, state = jax.jit(masked.update)(_grads(params), state, params)
+  assert isinstance(state.inner_state.inner_state[0].mu["w"], ols.QuantizedLeaf)
+  np.testing.assert_array_equal(updates["b"], _grads(params)["b"])  # passed
+  multi = optax.multi_transform(
+    {"q": ols.quantize_state(optax.adam(1e-3)), "s": optax.sgd(1e-3)},
+    {"w": "q", "b": "s"},
+  )
+  state = multi.init(params)
+  updates, state = jax.jit(multi.update)(_grads(params), state, params)
+  inner = state.inner_states["q"].inner_state.inner_state[0]
+  assert isinstance(inner.mu["w"], ols.QuantizedLeaf)
+  np.testing.assert_array_equal(updates["b"], -1e-3 * _grads(params)["b"])
+
+
+def test_a_donated_jitted_step_matches_an_undonated_one():
+  p0 = _params()
+  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
+
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
+  donated = jax.jit(step, donate_argnums=(0, 1))
+  plain = jax.jit(step)
+  a = jax.tree.map(jnp.copy, (p0, tx.init(p0)))
+  b = (p0, tx.init(p0))
+  for i in range(3):
+    g = _grads(p0, i)
+    a, b = donated(*a, g), plain(*b, g)
+  assert _bits(a) == _bits(b)
+
+
+def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  p0 = _params()
+  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
+
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
+  run = (p0, tx.init(p0))
+  for i in range(2):
+    run = step(*run, _grads(p0, i))
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "ckpt", run)
+  checkpointer.wait_until_finished()
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, (p0, tx.init(p0)))
+  restored = checkpointer.restore(tmp_path / "ckpt", target)
+  checkpointer.close()
+  assert _bits(restored) == _bits(run)
+  for i in range(2):
+    run, restored = step(*run, _grads(p0, 5 + i)), step(*restored, _grads(p0, 5 + i))
+  assert _bits(restored) == _bits(run)
+
+
+def test_the_checkpoint_guard_names_a_non_finite_block():
+  params = _params()
+  tx = ols.quantize_state(optax.adam(1e-3))  # no loss scale: NaN reaches the state
+  state = tx.init(params)
+  g = _grads(params)
+  g["w"] = g["w"].at[3, 300].set(jnp.nan)
+  _, state = tx.update(g, state, params)
+  with pytest.raises(ValueError, match=r"mu\['w'\]\.scales: 1 inf \(of 32 entries\)"):
+    ols.check_checkpoint(state)
+  # the block holding the NaN, no other
+  scales = np.asarray(state.inner_state[0].mu["w"].scales)
+  assert np.isinf(scales).sum() == 1 and np.isinf(scales[3, 1])
