@@ -18,7 +18,9 @@ minutes and writes ``--out`` (default ``benchmarks/out/gpu_report.md``):
    (``bench.measure_many``: buffers donated, the two steps called in turn,
    each time the smallest of the rounds' medians after warm-up), giving the
    step time, tokens/s, the loss scale's overhead, and for float8 the
-   tokens/s ratio to bfloat16 and whether XLA emitted cuBLASLt float8 GEMMs.
+   tokens/s ratio to bfloat16 and whether XLA emitted cuBLASLt float8 GEMMs;
+   for float8, MXFP8 and NVFP4, which matmuls run in the recipe and which in
+   bfloat16 (``ols.list_matmuls``: module path, kind, shapes, precision).
 
 A section, or one precision's row, that raises is reported as an error line;
 the rest of the report is still made. The tests run first, before this
@@ -510,6 +512,27 @@ def measure_precision(loss_fn, params, batch, args):
   return result
 
 
+def matmul_lines(name, wrap, loss_fn, params, batch):
+  """Which of the loss's matmuls run in recipe ``name`` (``ols.list_matmuls``):
+  a count per precision, and the table of each matmul's module path, kind,
+  shapes and precision."""
+  try:
+    found = ols.list_matmuls(wrap(loss_fn), params, *batch)
+  except Exception as e:  # noqa: BLE001
+    return ["", f"{name} matmuls: not listed (`{_error_text(e)}`)."]
+  counts = {}
+  for m in found:
+    counts[m.precision] = counts.get(m.precision, 0) + 1
+  summary = ", ".join(f"{n} in {p}" for p, n in counts.items())
+  return [
+    "",
+    f"{name} matmuls of the forward pass (`ols.list_matmuls`): {summary}, "
+    f"of {len(found)}.",
+    "",
+    *_details(f"{name}: each matmul", ols.format_matmuls(found)),
+  ]
+
+
 def transformer(args, backend):
   sizes = {
     "vocab": args.vocab,
@@ -624,6 +647,8 @@ def transformer(args, backend):
       )
       + "."
     )
+  for name in ("float8", "mxfp8", "nvfp4"):
+    lines += matmul_lines(name, PRECISIONS[name][1], loss_fn, params, batch)
   if backend == "cpu":
     lines += [
       "",

@@ -334,8 +334,11 @@ def test_layers_are_excluded_by_module_path():
   # the default NVFP4 recipe keeps the output layer
   nv = ols.NVFP4Matmul()
   assert _block_matmul.excluded(nv, "Transformer/head")
-  assert _block_matmul.excluded(nv, "Transformer/block_0/bqhd,bkhd->bhqk")
   assert not _block_matmul.excluded(nv, "Transformer/block_0/Dense_0")
+  # an einsum is a weight's matmul like any other (attention's are kept by
+  # structure, the recipe's `attention`, not by name)
+  assert not _block_matmul.excluded(nv, "Transformer/block_0/btd,df->btf")
+  assert not nv.attention and ols.MXFP8Matmul().attention
   # an excluded matmul runs in the compute dtype: the head's output is exact
   made, _ = _low_precision_uses(jax.make_jaxpr(f)(params).jaxpr)
   assert made  # the body's matmul is quantised

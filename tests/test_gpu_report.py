@@ -195,3 +195,27 @@ def test_native_block_gemm_count(report):
   assert line, "no native block-scaled GEMM line"
   if jax.default_backend() == "cpu":  # no native GEMM: every one emulated
     assert int(line[1]) == int(line[2]) == 0
+
+
+def test_matmuls_per_recipe(report):
+  text = _section(report, 4)
+  layers = int(re.search(r"layers (\d+), d_model", text)[1])
+  if not (hasattr(jnp, "float8_e8m0fnu") and hasattr(jnp, "float4_e2m1fn")):
+    pytest.skip("this JAX has no block-scaled formats")
+  # Per layer: the qkv, output, fc1 and fc2 weights and attention's two
+  # batched products; and the output layer (plain JAX: no module path, so
+  # NVFP4's name rule does not keep it).
+  want = {
+    "float8": {"float8": 6 * layers + 1},
+    "mxfp8": {"mxfp8": 6 * layers + 1},
+    "nvfp4": {"nvfp4": 4 * layers + 1, "bfloat16": 2 * layers},
+  }
+  for name, counts in want.items():
+    line = re.search(
+      rf"{name} matmuls of the forward pass \(`ols.list_matmuls`\): (.*), of (\d+)\.",
+      text,
+    )
+    assert line, f"no matmul line for {name}"
+    got = {p: int(n) for n, p in re.findall(r"(\d+) in (\w+)", line[1])}
+    assert got == counts and int(line[2]) == sum(counts.values())
+    assert f"<summary>{name}: each matmul</summary>" in text
