@@ -223,6 +223,7 @@ def check(
   axis_name: Any = None,
   *,
   factor: float | None = None,
+  loss_scale: Any = None,
 ) -> jax.Array:
   """Whether an update's gradients are finite, the same on every device.
 
@@ -233,14 +234,27 @@ def check(
   so the *scaled* gradients are checked: the same answer, read as they lie
   in memory instead of from an unscaled copy. Otherwise the unscaled ones
   are, which also catches an overflow caused by unscaling (a float16
-  gradient divided by a factor below 1).
+  gradient divided by a scale or a factor below 1): with scales below 1,
+  the finiteness of the gradients the inner optimizer receives decides.
+
+  ``loss_scale``, the scale the gradients were computed with: where the
+  scaled gradients are checked and it is below 1 (a state restored from a
+  configuration with ``min_scale < 1``), unscaling can overflow unseen, and
+  the flag is false: the step is skipped and :func:`adjust` brings the
+  scale into this configuration's range. The test is folded into the
+  check's one reduction (``_finite.leaves_finite``'s ``bad``).
 
   Returns:
     The flag, ANDed over ``axis_name`` (:func:`reduce_flag`).
   """
   shrinks = config.min_scale >= 1.0 and (factor is None or factor >= 1.0)
   checked = scaled if shrinks else unscaled
-  return reduce_flag(_finite.leaves_finite(jax.tree.leaves(checked)), axis_name)
+  bad = None
+  if shrinks and loss_scale is not None:
+    bad = jnp.asarray(loss_scale, _F32) < 1.0
+  return reduce_flag(
+    _finite.leaves_finite(jax.tree.leaves(checked), bad=bad), axis_name
+  )
 
 
 # --------------------------------------------------------------------------
@@ -259,14 +273,16 @@ def adjust(
   The new scale always lies in ``[min_scale, max_scale]``, and a fixed scale
   is the configuration's: a state restored from another configuration
   comes into line at its first update (which still unscales with the
-  state's scale, the one its gradients were computed with).
+  state's scale, the one its gradients were computed with). That update is
+  applied when :func:`check` finds it finite, which it does not where the
+  state's scale is below 1 and the configuration's scales are not.
 
   Returns:
     ``(new state, should_apply)``: whether this step's update is applied.
   """
   finite = jnp.asarray(finite, jnp.bool_)
-  should_apply = finite if config.skip_nonfinite else jnp.array(True)
   s = state
+  should_apply = finite if config.skip_nonfinite else jnp.array(True)
   if config.noop:
     return s, should_apply
   if config.dynamic:

@@ -119,8 +119,15 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
   return leaves_finite(array_leaves(tree), chunk=chunk)
 
 
-def leaves_finite(leaves: list[Any], *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
-  """:func:`all_finite` of a tree's leaves, already checked to be arrays."""
+def leaves_finite(
+  leaves: list[Any], *, chunk: int = FINITE_CHECK_CHUNK, bad: Any = None
+) -> jax.Array:
+  """:func:`all_finite` of a tree's leaves, already checked to be arrays.
+
+  ``bad``, a scalar bool (or ``None``), makes the flag false when true: it
+  is folded into the one reduction with the other chunks' verdicts, so the
+  flag stays that reduction's output.
+  """
   # Leaves are grouped by size and dtype (raveled) or, when their type
   # names mesh axes (explicit sharding), by shape, dtype and partition spec:
   # arrays of other specs cannot be combined elementwise, concatenated, or
@@ -158,9 +165,11 @@ def leaves_finite(leaves: list[Any], *, chunk: int = FINITE_CHECK_CHUNK) -> jax.
         acc = jnp.maximum(acc, _exponent_bits(part)[0])
       chunks.append((acc, mask))
   if not chunks:
-    return jnp.array(True)
+    return jnp.array(True) if bad is None else jnp.logical_not(bad)
   receiver, mask = min(chunks, key=lambda c: c[0].size)
   others = [jnp.max(c) == m for c, m in chunks if c is not receiver]
+  if bad is not None:
+    others.append(jnp.asarray(bad, jnp.bool_))
   if others:
     bad = jnp.any(jnp.stack(others))
     receiver = jnp.maximum(receiver, jnp.where(bad, mask, 0).astype(receiver.dtype))

@@ -86,14 +86,13 @@ def _float32_leaves(
 
   try:
     out = jax.tree.leaves(jax.eval_shape(probe))
-    old = jax.tree.leaves(inner_state)
-    changed = len(out) != len(old) or any(
-      _tree.is_array(a) and (a.dtype, a.shape) != (b.dtype, b.shape)
-      for a, b in zip(old, out, strict=False)
-    )
-  except Exception:  # noqa: BLE001 - e.g. strict promotion of a half accumulator
-    changed = True
-  if changed:
+  except Exception:  # noqa: BLE001 - the update itself says what is wrong
+    return None
+  old = jax.tree.leaves(inner_state)
+  if len(out) != len(old) or any(
+    _tree.is_array(a) and (a.dtype, a.shape) != (b.dtype, b.shape)
+    for a, b in zip(old, out, strict=False)
+  ):
     warnings.warn(
       "master_weights sits after a transformation whose state holds the "
       "gradients in half precision (optax.trace or scale_by_adam in a chain "
@@ -204,7 +203,12 @@ def loss_scale_transformation(
     else:
       try:
         finite = _core.check(
-          as_checked(updates), as_checked(grads), config, axis_name, factor=factor
+          as_checked(updates),
+          as_checked(grads),
+          config,
+          axis_name,
+          factor=factor,
+          loss_scale=scale,
         )
       except ValueError as e:
         if not config.noop:
