@@ -5,15 +5,20 @@ low-precision elements times one scale:
 
 * ``"mxfp8"``: blocks of 32, ``float8_e4m3fn`` elements (largest 448), a
   power-of-two scale stored as ``float8_e8m0fnu``, ``2**ceil(log2(amax /
-  448))`` (rounded up, so no element overflows; an all-zero block takes the
-  smallest scale, 2**-127), elements rounded to nearest, ties to even;
+  448))`` (rounded up, so no element overflows, as the MXFP8 training
+  recipe does; ``rule="ocp"``: OCP MX v1.0's ``2**(floor(log2 amax) -
+  8)``, elements saturated to ±448; an all-zero block takes the smallest
+  scale, 2**-127), elements rounded to nearest, ties to even;
 * ``"nvfp4"``: blocks of 16, ``float4_e2m1fn`` elements (largest 6), a
   ``float8_e4m3fn`` scale per block, ``e4m3(amax_block / 6 / g)``, and a
   float32 scale per tensor ``g = max(amax / (448 * 6), 2**-117)`` (the
   floor keeps every product of scales a normal float32); elements
-  ``x / (block scale * g)`` clipped to ±6 and rounded to nearest (ties to
-  even) or stochastically with a key; optionally 16 x 16 tiles over two
-  axes (a weight quantised so, and its transpose, are the same numbers).
+  ``x / (block scale * g)``, in that order (``rule="transformer_engine"``:
+  TransformerEngine's order, ``x * (1 / (s * (1 / S)))`` with ``S = 2688 /
+  amax``, which can round otherwise), clipped to ±6 and rounded to nearest
+  (ties to even) or stochastically with a key; optionally 16 x 16 tiles
+  over two axes (a weight quantised so, and its transpose, are the same
+  numbers).
 
 An axis whose length is not a multiple of the block is zero-padded. A block
 holding NaN or an infinity dequantises to NaN (with NVFP4 the whole tensor,
@@ -37,7 +42,7 @@ from jax import lax
 
 from optax_lossscale import _rounding
 
-__all__ = ["FORMATS", "BlockQuantized", "block_quantize", "round_e2m1"]
+__all__ = ["FORMATS", "RULES", "BlockQuantized", "block_quantize", "round_e2m1"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -231,6 +236,24 @@ def _mx_exponent(amax: jax.Array) -> jax.Array:
   return jnp.where(amax > 0, jnp.clip(e, -127, 127), -127).astype(jnp.int32)
 
 
+def _ocp_exponent(amax: jax.Array) -> jax.Array:
+  """OCP MX v1.0's ``floor(log2(amax)) - 8`` (8: e4m3's largest exponent),
+  in [-127, 127]; -127 for a zero. With ``amax = m * 2**k`` (``m`` in
+  [0.5, 1)), ``floor(log2(amax))`` is ``k - 1``."""
+  _, k = jnp.frexp(amax)
+  e = k - 9
+  return jnp.where(amax > 0, jnp.clip(e, -127, 127), -127).astype(jnp.int32)
+
+
+#: The scale rules of :func:`block_quantize`, per format; the first is the default.
+RULES = {
+  "mxfp8": ("round_up", "ocp"),
+  "nvfp4": ("divide", "transformer_engine"),
+}
+
+_F32_MAX = np.float32(np.finfo(np.float32).max)
+
+
 def block_quantize(
   x: jax.Array,
   fmt: str,
@@ -238,6 +261,7 @@ def block_quantize(
   *,
   tile_axis: int | None = None,
   key: jax.Array | None = None,
+  rule: str | None = None,
 ) -> BlockQuantized:
   """``x`` as MXFP8 or NVFP4 blocks along ``axis``.
 
@@ -253,13 +277,29 @@ def block_quantize(
       numbers).
     key: NVFP4 only: round the elements stochastically with this key
       (unbiased); ``None``: to nearest, ties to even.
+    rule: how the scales are computed, for exchanging data with other
+      implementations (``None``: the format's default, the first below).
+      MXFP8: ``"round_up"``, the MXFP8 training recipe's
+      ``2**ceil(log2(amax / 448))`` (no element overflows), or ``"ocp"``,
+      OCP MX v1.0's ``2**(floor(log2(amax)) - 8)`` (8 is e4m3's largest
+      exponent), whose scaled elements above 448 saturate to ±448. NVFP4:
+      ``"divide"``, ``g = max(amax / 2688, 2**-117)``, block scale
+      ``s = e4m3(amax_block / 6 / g)``, elements ``x / (s * g)``; or
+      ``"transformer_engine"``, TransformerEngine's order:
+      ``S = min(2688 / amax, float32 max)`` (1 for a zero tensor),
+      ``s = e4m3(amax_block * (S * float32(1/6)))``, elements
+      ``x * min(1 / (s * (1 / S)), float32 max)``, scale per tensor
+      ``1 / S``: below an amax of ``2688 * 2**-126`` (3.2e-35) ``1 / S``
+      is a float32 subnormal, which a backend that flushes them makes
+      zero. Each clipped to ±6 and rounded as above.
 
   Returns:
     A :class:`BlockQuantized`; ``.dequantize()`` is the float32 array the
     matmul multiplies.
 
   Raises:
-    ValueError: another ``fmt``; ``tile_axis`` or ``key`` with MXFP8;
+    ValueError: another ``fmt``; ``tile_axis`` or ``key`` with MXFP8; a
+      ``rule`` the format does not have;
       an axis out of range or ``tile_axis == axis``; ``x`` not floating; a
       JAX without the formats' dtypes.
 
@@ -296,6 +336,13 @@ def block_quantize(
       "`key` must be one PRNG key (jax.random.key(...) or a raw "
       f"jax.random.PRNGKey(...)), got {key!r}."
     )
+  if rule is None:
+    rule = RULES[fmt][0]
+  if not isinstance(rule, str) or rule not in RULES[fmt]:
+    raise ValueError(
+      f"`rule` for {fmt} must be one of {', '.join(map(repr, RULES[fmt]))}, "
+      f"got {rule!r}."
+    )
   x32 = x.astype(_F32)
   if tile_axis is None:
     b = _blocks(x32, axis, spec.block)
@@ -306,11 +353,29 @@ def block_quantize(
   bad = ~jnp.isfinite(amax)  # NaN or inf in the block
   elem_dtype, scale_dtype = jnp.dtype(spec.element), jnp.dtype(spec.scale)
   if fmt == "mxfp8":
-    e = _mx_exponent(jnp.where(bad, 0.0, amax))
-    q = _ldexp(b, -e).astype(elem_dtype)
+    finite_amax = jnp.where(bad, 0.0, amax)
+    if rule == "round_up":
+      e = _mx_exponent(finite_amax)
+      q = _ldexp(b, -e).astype(elem_dtype)
+    else:  # OCP: amax / 2**e is in [256, 512), saturated to 448
+      e = _ocp_exponent(finite_amax)
+      q = jnp.clip(_ldexp(b, -e), -spec.largest, spec.largest).astype(elem_dtype)
     scale_bits = jnp.where(bad, 0xFF, e + 127).astype(jnp.uint8)
     scales = lax.bitcast_convert_type(scale_bits, scale_dtype)
     global_scale = None
+  elif rule == "transformer_engine":
+    tensor_amax = jnp.max(jnp.abs(x32), initial=0.0)
+    encode = jnp.minimum(jnp.float32(2688.0) / tensor_amax, _F32_MAX)
+    encode = jnp.where((tensor_amax == 0) | (encode == 0), jnp.float32(1.0), encode)
+    decode = jnp.float32(1.0) / encode
+    global_scale = jnp.where(jnp.isfinite(tensor_amax), decode, jnp.nan).astype(_F32)
+    s = jnp.minimum(amax * (encode * jnp.float32(1.0 / 6.0)), jnp.float32(448.0))
+    s = jnp.where(bad, jnp.nan, s.astype(scale_dtype).astype(_F32)).astype(scale_dtype)
+    s32 = s.astype(_F32)
+    multiplier = jnp.minimum(jnp.float32(1.0) / (s32 * decode), _F32_MAX)
+    v = jnp.where(bad, 0.0, jnp.clip(b * multiplier, -6.0, 6.0))
+    q = round_e2m1(v, key)
+    scales = s
   else:
     tensor_amax = jnp.max(jnp.abs(x32), initial=0.0)
     # At least 2**-117, so that a block scale (>= 2**-9) times it is a

@@ -19,8 +19,13 @@ import optax_lossscale as ols
 pytestmark = versions.block_formats
 
 
-def ref_mxfp8(x):
-  """Blocks of 32 along the last axis: (dequantised, scales as float)."""
+def ref_mxfp8(x, rule="round_up"):
+  """Blocks of 32 along the last axis: (dequantised, scales as float).
+
+  ``"round_up"``: the smallest power of two with ``448 * 2**e >= amax``;
+  ``"ocp"``: OCP MX v1.0's ``floor(log2(amax)) - 8``, elements saturated
+  to ±448.
+  """
   x = np.asarray(x, np.float32)
   n = x.shape[-1]
   pad = -n % 32
@@ -35,28 +40,60 @@ def ref_mxfp8(x):
       continue
     if amax == 0:
       e = -127
-    else:  # the smallest e with 448 * 2**e >= amax
+    elif rule == "round_up":  # the smallest e with 448 * 2**e >= amax
       e = int(np.ceil(np.log2(amax / 448.0)))
       while 448.0 * 2.0**e < amax:
         e += 1
       while 448.0 * 2.0 ** (e - 1) >= amax:
         e -= 1
       e = min(max(e, -127), 127)
-    q = (blk * 2.0**-e).astype(ml_dtypes.float8_e4m3fn)
+    else:  # 2**(f + 8) <= amax < 2**(f + 9), f = floor(log2 amax) - 8
+      f = int(np.floor(np.log2(amax)))
+      while 2.0**f > amax:
+        f -= 1
+      while 2.0 ** (f + 1) <= amax:
+        f += 1
+      e = min(max(f - 8, -127), 127)
+    scaled = blk * 2.0**-e
+    if rule == "ocp":
+      scaled = np.clip(scaled, -448.0, 448.0)
+    q = scaled.astype(ml_dtypes.float8_e4m3fn)
     out[idx] = q.astype(np.float64) * 2.0**e
     scales[idx] = 2.0**e
   out = out.reshape(*x.shape[:-1], -1)[..., :n]
   return out, scales
 
 
-def ref_nvfp4(x, tiles=False):
-  """Blocks of 16 along the last axis (16 x 16 tiles over the last two)."""
+F32_MAX = np.finfo(np.float32).max
+
+
+def _flushes_subnormals():
+  """Whether the backend computes float32 subnormal results as zeros."""
+  tiny = jax.jit(lambda a: a * np.float32(2.0**-10))(np.float32(2.0**-120))
+  return float(tiny) == 0.0
+
+
+def ref_nvfp4(x, tiles=False, rule="divide"):
+  """Blocks of 16 along the last axis (16 x 16 tiles over the last two).
+
+  ``"divide"``: ``x / (s * g)``; ``"transformer_engine"``: TransformerEngine's
+  ``x * min(1 / (s * (1 / S)), max)`` with ``S = min(2688 / amax, max)``,
+  ``s = e4m3(amax_block * (S * float32(1/6)))``, scale per tensor ``1 / S``.
+  """
   x = np.asarray(x, np.float32)
   amax_t = np.max(np.abs(x))
   if not np.isfinite(amax_t):
     return np.full(x.shape, np.nan, np.float32)
-  # at least 2**-117: a block scale times it stays a normal float32
-  g = max(np.float32(amax_t) / np.float32(2688.0), np.float32(2.0**-117))
+  if rule == "divide":
+    # at least 2**-117: a block scale times it stays a normal float32
+    g = max(np.float32(amax_t) / np.float32(2688.0), np.float32(2.0**-117))
+  else:
+    with np.errstate(divide="ignore", over="ignore"):
+      enc = np.minimum(np.float32(2688.0) / np.float32(amax_t), F32_MAX)
+    enc = np.float32(1.0) if amax_t == 0 or enc == 0 else np.float32(enc)
+    g = np.float32(1.0) / enc
+    if g < 2.0**-126 and _flushes_subnormals():  # amax below 2688 * 2**-126
+      g = np.float32(0.0)
   r, c = x.shape[-2:] if tiles else (1, x.shape[-1])
   xp = x.reshape(-1, r, c) if tiles else x.reshape(-1, 1, c)
   pr, pc = (-r % 16 if tiles else 0), -c % 16
@@ -68,11 +105,20 @@ def ref_nvfp4(x, tiles=False):
       for b in range(0, xp.shape[2], 16):
         blk = xp[i, a : a + br, b : b + 16]
         amax = np.float32(np.max(np.abs(blk)))
-        s = (amax / np.float32(6.0) / g).astype(ml_dtypes.float8_e4m3fn)
+        if rule == "divide":
+          s = (amax / np.float32(6.0) / g).astype(ml_dtypes.float8_e4m3fn)
+        else:
+          s = np.minimum(amax * (enc * np.float32(1.0 / 6.0)), np.float32(448.0))
+          s = s.astype(ml_dtypes.float8_e4m3fn)
         s32 = np.float32(s)
         if s32 == 0:
           continue
-        v = np.clip(blk / (s32 * g), np.float32(-6), np.float32(6))
+        if rule == "divide":
+          v = np.clip(blk / (s32 * g), np.float32(-6), np.float32(6))
+        else:
+          with np.errstate(divide="ignore"):
+            m = np.minimum(np.float32(1.0) / (s32 * g), F32_MAX)
+          v = np.clip(blk * np.float32(m), np.float32(-6), np.float32(6))
         q = v.astype(ml_dtypes.float4_e2m1fn).astype(np.float32)
         out[i, a : a + br, b : b + 16] = q * s32 * g
   return out[:, :r, :c].reshape(x.shape)
@@ -111,25 +157,27 @@ def _equal(got, want):
   assert np.array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
 
 
+@pytest.mark.parametrize("rule", ["round_up", "ocp"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("row", list(edge_rows(32, 448)))
-def test_mxfp8_is_the_reference_bit_for_bit(row, jit):
+def test_mxfp8_is_the_reference_bit_for_bit(row, jit, rule):
   x = edge_rows(32, 448.0)[row]
-  f = lambda x: ols.block_quantize(x, "mxfp8")  # noqa: E731
+  f = lambda x: ols.block_quantize(x, "mxfp8", rule=rule)  # noqa: E731
   q = (jax.jit(f) if jit else f)(x)
-  want, scales = ref_mxfp8(x)
+  want, scales = ref_mxfp8(x, rule)
   _equal(q.dequantize(), want)
   _equal(q.scales.astype(jnp.float32), scales)
   assert q.elements.dtype == jnp.float8_e4m3fn and q.elements.shape[-1] % 32 == 0
 
 
+@pytest.mark.parametrize("rule", ["divide", "transformer_engine"])
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 @pytest.mark.parametrize("row", list(edge_rows(16, 2688)))
-def test_nvfp4_is_the_reference_bit_for_bit(row, jit):
+def test_nvfp4_is_the_reference_bit_for_bit(row, jit, rule):
   x = edge_rows(16, 2688.0)[row]
-  f = lambda x: ols.block_quantize(x, "nvfp4")  # noqa: E731
+  f = lambda x: ols.block_quantize(x, "nvfp4", rule=rule)  # noqa: E731
   q = (jax.jit(f) if jit else f)(x)
-  _equal(q.dequantize(), ref_nvfp4(x))
+  _equal(q.dequantize(), ref_nvfp4(x, rule=rule))
   assert q.elements.dtype == jnp.float4_e2m1fn and q.global_scale.dtype == jnp.float32
 
 
@@ -225,3 +273,34 @@ def test_mxfp8_rounds_up_to_infinity_only_above_248_times_2_to_120():
   assert np.isfinite(np.asarray(ols.block_quantize(x, "mxfp8").dequantize())).all()
   x[0] = edge
   assert np.isinf(np.asarray(ols.block_quantize(x, "mxfp8").dequantize())[0])
+
+
+def test_the_rules_differ_where_the_standards_do():
+  # MXFP8: the rules part exactly where amax / 2**floor(log2 amax) > 1.75
+  # (mantissa above 0.875), a share of Gaussian blocks measured here.
+  x = np.random.default_rng(1).standard_normal((4096, 32)).astype(np.float32)
+  up = ols.block_quantize(x, "mxfp8").scales.astype(jnp.float32)
+  ocp = ols.block_quantize(x, "mxfp8", rule="ocp").scales.astype(jnp.float32)
+  m, _ = np.frexp(np.max(np.abs(x), axis=-1, keepdims=True))
+  np.testing.assert_array_equal(np.asarray(up) != np.asarray(ocp), m > 0.875)
+  np.testing.assert_array_equal(
+    np.asarray(up)[m > 0.875], 2 * np.asarray(ocp)[m > 0.875]
+  )
+  assert 0.05 < np.mean(m > 0.875) < 0.5
+  # NVFP4: the two orders give other numbers for this Gaussian tensor (its
+  # scale per tensor, amax / 2688 against 1 / (2688 / amax), one unit apart),
+  # and each is its own reference's.
+  x = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
+  ours = np.asarray(ols.block_quantize(x, "nvfp4").dequantize())
+  te = np.asarray(
+    ols.block_quantize(x, "nvfp4", rule="transformer_engine").dequantize()
+  )
+  _equal(ours, ref_nvfp4(x))
+  _equal(te, ref_nvfp4(x, rule="transformer_engine"))
+  assert np.any(ours != te)
+
+
+def test_a_rule_the_format_lacks_is_refused_by_name():
+  for fmt, rule in [("mxfp8", "transformer_engine"), ("nvfp4", "ocp"), ("mxfp8", 1)]:
+    with pytest.raises(ValueError, match="`rule`"):
+      ols.block_quantize(jnp.ones(32), fmt, rule=rule)
