@@ -81,9 +81,12 @@ def autocast(
   ``scan``, ``while_loop`` and ``cond``; a ``custom_jvp``/``custom_vjp``
   function keeps its rule (its body is rewritten, its boundary keeps its
   dtypes). It works under ``jax.jit``, ``jax.grad`` (float32 inputs get
-  float32 gradients) and ``jax.vmap``. The user's own numerics are kept: a
-  conversion ``fun`` writes keeps its target dtype, and a matmul result type
-  wider than its inputs stays. A matmul whose result every reader computes
+  float32 gradients) and ``jax.vmap``. The user's own numerics are kept:
+  only float32 work is cast. A conversion ``fun`` writes keeps its target
+  dtype; a matmul whose operands ``fun`` put in a narrower dtype itself
+  keeps them and its result type, and a result type ``fun`` set narrower
+  than its float32 operands stays; complex, integer and boolean values are
+  never rewritten. A matmul whose result every reader computes
   in float32 (the deny list's ``exp``, ``div``, reductions, or a conversion
   to float32, reached through the ops that follow their inputs' dtype; not
   another matmul, a loop or the function's output) reads half inputs and
@@ -94,9 +97,17 @@ def autocast(
   arrays (bools, strings) are static; like ``jax.jit``, the result is traced
   and compiled once per input signature.
 
+  Flax NNX state is kept: every NNX module, ``Rngs`` or ``Variable`` among
+  the arguments (or ``fun`` itself being a module or a module's method) is
+  traced through its state (``nnx.split``), and the Variables the call
+  writes (BatchNorm statistics, ``Rngs`` streams, counters, caches, new
+  Variables) are written back into the caller's objects, eagerly and under
+  ``nnx.jit``/``nnx.grad``. A Variable ``fun`` writes through a closure, or
+  a Python attribute it sets, is a ``ValueError``, not a dropped write.
+
   With ``matmul="float8"`` (or a :class:`Float8Matmul`), every
-  ``dot_general`` with two floating operands runs in float8 with current
-  per-tensor scaling (forward ``float8_e4m3fn``, output gradient
+  ``dot_general`` with two real 16- or 32-bit floating operands runs in
+  float8 with current per-tensor scaling (forward ``float8_e4m3fn``, output gradient
   ``float8_e5m2``, float32 accumulation, a ``custom_vjp`` per matmul; see
   :class:`Float8Matmul`), its result in ``compute_dtype`` (or the wider
   result type the function asked for). Everything else follows the lists;
@@ -105,7 +116,11 @@ def autocast(
   (``jvp``). With ``matmul="mxfp8"`` or ``"nvfp4"`` (or an
   :class:`MXFP8Matmul`/:class:`NVFP4Matmul`) every such matmul that the
   recipe does not exclude (by module path) runs block-scaled, each of its
-  three GEMMs quantising its operands along its own contraction.
+  three GEMMs quantising its operands along its own contraction. A recipe
+  applies to a weight's matmul however it is written (``@``, ``einsum``,
+  ``dot_general``, Flax layers); attention's (a batched product of two
+  values ``fun`` computed) only where the recipe's ``attention`` is on.
+  :func:`list_matmuls` says which matmul runs in what.
 
   Args:
     fun: the function, written for float32.

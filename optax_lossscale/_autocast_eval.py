@@ -193,16 +193,19 @@ def _allow(eqn, invals, rules: Rules, read_in_float32: bool, flags: list[bool]):
   """
   half = rules.half
   original = [jnp.dtype(v.aval.dtype) for v in eqn.invars]
-  if not all(is_float(d) for d in original):  # complex, integer: as written
-    return _jaxpr.bind(eqn, invals)
+  floating = [d for d in original if is_float(d)]
+  matmul = eqn.primitive.name == "dot_general"
+  complex_ = any(jnp.issubdtype(d, jnp.complexfloating) for d in original)
+  if not floating or complex_ or (matmul and len(floating) < len(original)):
+    return _jaxpr.bind(eqn, invals)  # complex, integer, boolean: as written
   pet = eqn.params.get("preferred_element_type")
-  sizes = [d.itemsize for d in original]
+  sizes = [d.itemsize for d in floating]
   params = {}
   if min(sizes) < 4:  # the function's own narrow operands: as written
     targets = original
-    precision = "/".join(dict.fromkeys(d.name for d in original))
+    precision = "/".join(dict.fromkeys(d.name for d in floating))
   else:
-    targets = [jnp.dtype(half)] * len(original)
+    targets = [jnp.dtype(half) if is_float(d) else d for d in original]
     precision = jnp.dtype(half).name
     default = pet is None or not is_float(pet) or jnp.dtype(pet).itemsize == max(sizes)
     if default:
@@ -214,7 +217,7 @@ def _allow(eqn, invals, rules: Rules, read_in_float32: bool, flags: list[bool]):
   if "preferred_element_type" not in eqn.params:
     params = {}
   invals = [cast(x, d) for x, d in zip(invals, targets, strict=True)]
-  if eqn.primitive.name != "dot_general":
+  if not matmul:
     return _jaxpr.bind(eqn, invals, params)
   out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
   dims = eqn.params["dimension_numbers"]
