@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from optax_lossscale import _core, _state
+from optax_lossscale import _core, _state, _tree
 
 __all__ = ["scale_for", "scale_loss", "scaled_loss_fn", "value_and_grad"]
 
@@ -49,12 +49,45 @@ def scaled_loss_fn(
   return scaled
 
 
+def _positions(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:
+  """``argnums`` as non-negative positions among ``count`` arguments."""
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+  bad = [i for i in nums if not isinstance(i, int) or not -count <= i < count]
+  if bad or not nums:
+    raise ValueError(
+      f"value_and_grad(argnums={argnums!r}): positions of the loss function's "
+      f"arguments after the optimizer state, of which there are {count}."
+    )
+  return tuple(i % count for i in nums)
+
+
+def _split(tree: Any) -> tuple[Any, Any]:
+  """``tree``'s floating-point array leaves, and its other leaves (``None`` each)."""
+  arrays = jax.tree.map(lambda x: x if _tree.is_float_array(x) else None, tree)
+  others = jax.tree.map(lambda x: None if _tree.is_float_array(x) else x, tree)
+  return arrays, others
+
+
+def _merge(arrays: Any, others: Any) -> Any:
+  """The tree :func:`_split` split: each leaf from whichever part holds it."""
+  pick = lambda a, b: b if a is None else a  # noqa: E731
+  return jax.tree.map(pick, arrays, others, is_leaf=lambda x: x is None)
+
+
 def value_and_grad(
   fun: Callable[..., Any],
   argnums: int | Sequence[int] = 0,
   has_aux: bool = False,
 ) -> Callable[..., Any]:
   """``jax.value_and_grad`` of the scaled loss, returning the unscaled loss.
+
+  The differentiated arguments may be any pytrees, Equinox modules with
+  their activation functions and static fields included: as with
+  ``equinox.filter_value_and_grad``, their floating-point array leaves (JAX
+  or NumPy) are differentiated, and every other leaf (a function, an
+  integer array, a Python number, a string) is held constant and gets
+  ``None`` for its gradient. Give the optimizer the same leaves:
+  ``tx.init(eqx.filter(model, eqx.is_inexact_array))``.
 
   Args:
     fun: the loss function; returns a scalar (or ``(loss, aux)`` with
@@ -69,6 +102,9 @@ def value_and_grad(
     loss-scaled optimizer's ``update``, which unscales them. ``opt_state``
     is anything that ``get_scale`` accepts.
 
+  Raises:
+    ValueError: ``argnums`` names no argument of the call.
+
   Example:
     >>> import jax.numpy as jnp, optax, optax_lossscale as ols
     >>> tx = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=4.0)
@@ -81,7 +117,17 @@ def value_and_grad(
   def wrapper(opt_state, *args, **kwargs):
     scale = scale_for(opt_state, "value_and_grad(fun)")
     scaled = scaled_loss_fn(fun, scale, has_aux)
-    (_, out), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(*args, **kwargs)
-    return out, grads
+    nums = _positions(argnums, len(args))
+    arrays, others = zip(*(_split(args[i]) for i in nums), strict=True)
+
+    def on_arrays(*parts):
+      full = list(args)
+      for i, part, other in zip(nums, parts, others, strict=True):
+        full[i] = _merge(part, other)
+      return scaled(*full, **kwargs)
+
+    positions = tuple(range(len(nums)))
+    (_, out), grads = jax.value_and_grad(on_arrays, positions, has_aux=True)(*arrays)
+    return out, grads[0] if isinstance(argnums, int) else grads
 
   return wrapper

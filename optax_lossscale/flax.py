@@ -27,6 +27,7 @@ NNX (Linen float8 layers through ``nnx.bridge.ToNNX``) add
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from optax_lossscale import _grad, _overwrite, _state, _telemetry
+from optax_lossscale import _grad, _overwrite, _skip, _state, _telemetry, _tree
 
 __all__ = [
   "LossScaleTrainState",
@@ -50,18 +51,29 @@ _telemetry.register_flax_serialization()
 
 
 class LossScaleTrainState(train_state.TrainState):
-  """A Flax ``TrainState`` whose ``tx`` holds a loss scale.
+  """A Flax ``TrainState`` whose ``tx`` may hold a loss scale.
 
+  With a loss scale in ``tx`` (``dynamic_loss_scale(...)``),
   ``apply_gradients`` takes gradients of the *scaled* loss (see
   :meth:`value_and_grad`): the optimizer unscales them, skips the step if
-  they are not finite, and adjusts the scale. ``step`` counts applied steps
-  only, as TensorFlow's global step (a skipped step leaves it unchanged);
-  :attr:`diagnostics` has the skipped ones.
+  they are not finite, and adjusts the scale. A skipped step changes
+  nothing: ``params`` and ``opt_state`` stay, and so do the fields passed to
+  ``apply_gradients`` as keyword arguments (``batch_stats=``), which keep
+  their old values. ``step`` counts applied steps only, as TensorFlow's
+  global step (a skipped step leaves it unchanged); :attr:`all_steps`
+  counts every step, skipped ones included, for dropout keys and schedules
+  that must move on after a skipped step; :attr:`diagnostics` has the
+  skipped ones.
+
+  Without a loss scale (``tx`` a plain optax optimizer, for float32 or
+  bfloat16 runs of the same code) it is Flax's ``TrainState``:
+  :meth:`value_and_grad` is ``jax.value_and_grad``, ``apply_gradients``
+  Flax's, ``loss_scale`` is 1 and no step is skipped.
   """
 
   @classmethod
   def create(cls, *, apply_fn, params, tx, **kwargs):
-    """As ``TrainState.create``; ``tx`` must contain one loss scale.
+    """As ``TrainState.create``; ``tx`` holds one loss scale or none.
 
     ``tx`` is initialised on the whole of ``params``. With Flax's float8
     layers pass the whole variables dict, ``{'params': ...,
@@ -71,12 +83,13 @@ class LossScaleTrainState(train_state.TrainState):
     :meth:`apply_gradients` overwrites them.
 
     Raises:
-      ValueError: ``tx`` holds no loss scale, or one inside an
+      ValueError: ``tx`` holds more than one loss scale, or one inside an
         ``optax.MultiSteps`` while ``params`` hold float8 overwrite leaves.
     """
     opt_state = tx.init(params)
-    _state.find_loss_scale_state(opt_state)  # a clear error if none
-    _overwrite.find_overwrite_state(opt_state)  # refuses MultiSteps outside
+    if _loss_scaled(opt_state):
+      _state.find_loss_scale_state(opt_state)  # a clear error if several
+      _overwrite.find_overwrite_state(opt_state)  # refuses MultiSteps outside
     # An int32 array from the start: the same pytree (and checkpoint) before
     # and after the first step.
     return cls(
@@ -88,6 +101,11 @@ class LossScaleTrainState(train_state.TrainState):
       **kwargs,
     )
 
+  @property
+  def has_loss_scale(self) -> bool:
+    """Whether ``tx`` holds a loss scale (a Python bool, known when tracing)."""
+    return _loss_scaled(self.opt_state)
+
   def apply_gradients(self, *, grads, value=None, **kwargs):
     """Applies gradients of the scaled loss (unless the step is skipped).
 
@@ -96,25 +114,67 @@ class LossScaleTrainState(train_state.TrainState):
     values (:func:`optax_lossscale.apply_overwrites`), the others updated by
     ``tx``. ``value``, the loss, goes to ``tx.update`` as ``value=`` when
     given (a loss scale built with ``track_nonfinite=True`` records whether
-    it was finite); other keyword arguments replace fields, as in Flax.
+    it was finite). Other keyword arguments replace fields, as in Flax,
+    except on a skipped step, where every field keeps its old value (Flax's
+    ``DynamicScale`` loops take a skipped step's ``batch_stats``, which its
+    non-finite forward pass may have made NaN). Without a loss scale in
+    ``tx`` this is Flax's ``TrainState.apply_gradients`` (``value`` given
+    goes to ``tx.update``).
+
+    Raises:
+      ValueError: a field passed as a keyword argument has another tree
+        structure, shape or dtype than its old value (a skipped step could
+        not keep it).
     """
     extra = {} if value is None else {"value": value}
+    if not self.has_loss_scale:
+      if not extra:
+        return super().apply_gradients(grads=grads, **kwargs)
+      tx = optax.with_extra_args_support(self.tx)
+      updates, new_opt_state = tx.update(grads, self.opt_state, self.params, **extra)
+      return self.replace(
+        step=self.step + 1,
+        params=optax.apply_updates(self.params, updates),
+        opt_state=new_opt_state,
+        **kwargs,
+      )
     updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params, **extra)
     new_params = _overwrite.apply_overwrites(
       optax.apply_updates(self.params, updates), new_opt_state
     )
     skipped = _state.diagnostics(new_opt_state)["last_step_skipped"]
     step = jnp.where(skipped, self.step, self.step + 1).astype(jnp.int32)
-    return self.replace(step=step, params=new_params, opt_state=new_opt_state, **kwargs)
+    kept = _kept_on_skip(self, skipped, kwargs)
+    return self.replace(step=step, params=new_params, opt_state=new_opt_state, **kept)
+
+  @property
+  def all_steps(self) -> jax.Array:
+    """Every ``apply_gradients`` call so far: ``step`` plus the skipped steps.
+
+    For what must move on after a skipped step too (a dropout key folded
+    with the step number, which would repeat a mask otherwise; a schedule
+    counted in batches seen). ``step`` without a loss scale. The skipped
+    steps saturate at the int32 maximum, as the loss scale counts them.
+    """
+    if not self.has_loss_scale:
+      return self.step
+    skipped = _state.diagnostics(self.opt_state)["skipped_steps"]
+    return (self.step + skipped).astype(jnp.int32)
 
   @property
   def loss_scale(self) -> jax.Array:
-    """The current float32 loss scale."""
+    """The current float32 loss scale (1 without a loss scale in ``tx``)."""
+    if not self.has_loss_scale:
+      return jnp.ones([], jnp.float32)
     return _state.get_scale(self.opt_state)
 
   @property
   def diagnostics(self) -> dict[str, jax.Array]:
-    """:func:`optax_lossscale.diagnostics` of the optimizer state."""
+    """:func:`optax_lossscale.diagnostics` of the optimizer state.
+
+    Raises:
+      ValueError: ``tx`` holds no loss scale (there is nothing to report).
+    """
     return _state.diagnostics(self.opt_state)
 
   def value_and_grad(
@@ -123,10 +183,53 @@ class LossScaleTrainState(train_state.TrainState):
     """``jax.value_and_grad(loss_fn)`` of the loss scaled by this state's scale.
 
     Returns ``g(params, *args, **kwargs) -> (loss_fn's output, scaled grads)``;
-    pass the grads to :meth:`apply_gradients`.
+    pass the grads to :meth:`apply_gradients`. Without a loss scale in ``tx``
+    it is ``jax.value_and_grad(loss_fn, has_aux=has_aux)``: nothing is
+    multiplied.
     """
+    if not self.has_loss_scale:
+      return jax.value_and_grad(loss_fn, has_aux=has_aux)
     scaled = _grad.value_and_grad(loss_fn, argnums=0, has_aux=has_aux)
     return lambda *args, **kwargs: scaled(self.opt_state, *args, **kwargs)
+
+
+def _loss_scaled(opt_state: Any) -> bool:
+  """Whether ``opt_state`` holds a loss-scale state (at any depth)."""
+  return bool(_tree.find_all(opt_state, _state.is_loss_scale_state))
+
+
+def _shapes(tree: Any) -> Any:
+  """``tree`` with each leaf as its dtype and shape, for messages."""
+  return jax.tree.map(lambda a: f"{jnp.result_type(a)}{list(jnp.shape(a))}", tree)
+
+
+def _kept_on_skip(state: Any, skipped: jax.Array, fields: dict[str, Any]) -> dict:
+  """``fields`` (new values of ``state``'s fields), their old values where skipped.
+
+  Fields that are not pytree nodes (``apply_fn``, ``tx``) are static and
+  replaced as given.
+  """
+  nodes = {
+    f.name for f in dataclasses.fields(state) if f.metadata.get("pytree_node", True)
+  }
+  kept = {}
+  for name, new in fields.items():
+    if name not in nodes:
+      kept[name] = new
+      continue
+    old = getattr(state, name)
+    same = jax.tree.structure(new) == jax.tree.structure(old) and all(
+      jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
+      for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
+    )
+    if not same:
+      raise ValueError(
+        f"apply_gradients({name}=...): a skipped step keeps {name}'s old value, "
+        "so the new one must have its tree structure, shapes and dtypes; got "
+        f"{_tree.short(_shapes(new))} for {_tree.short(_shapes(old))}."
+      )
+    kept[name] = _skip.select_tree(jnp.logical_not(skipped), new, old)
+  return kept
 
 
 def nnx_value_and_grad(
@@ -148,18 +251,21 @@ def nnx_value_and_grad(
 
   Returns:
     ``g(optimizer, *args, **kwargs) -> (fun's output, scaled grads)`` where
-    ``optimizer`` is the ``nnx.Optimizer`` whose ``tx`` holds the loss scale;
-    pass the grads to ``optimizer.update(model, grads)``, or to
-    :func:`nnx_update` with float8 overwrite variables.
+    ``optimizer`` is the ``nnx.Optimizer`` whose ``tx`` holds the loss scale
+    (one whose ``tx`` holds none gives ``nnx.value_and_grad``'s unscaled
+    gradients, so that float32 runs use the same code); pass the grads to
+    ``optimizer.update(model, grads)``, or to :func:`nnx_update`.
   """
 
   def wrapper(optimizer, *args, **kwargs):
-    scale = _grad.scale_for(optimizer, "nnx_value_and_grad(fun)")
-    scaled = _grad.scaled_loss_fn(fun, scale, has_aux)
     wrt = getattr(optimizer, "wrt", None)
     diff = argnums
     if isinstance(argnums, int) and wrt is not None:
       diff = nnx.DiffState(argnums, wrt)
+    if isinstance(optimizer, nnx.Optimizer) and not _loss_scaled(optimizer.opt_state):
+      return nnx.value_and_grad(fun, argnums=diff, has_aux=has_aux)(*args, **kwargs)
+    scale = _grad.scale_for(optimizer, "nnx_value_and_grad(fun)")
+    scaled = _grad.scaled_loss_fn(fun, scale, has_aux)
     (_, out), grads = nnx.value_and_grad(scaled, argnums=diff, has_aux=True)(
       *args, **kwargs
     )
@@ -180,22 +286,77 @@ def is_overwrite_variable(path: Any, value: Any) -> bool:
   return _overwrite.is_overwrite_variable(value)
 
 
-def nnx_update(optimizer: nnx.Optimizer, model: nnx.Module, grads: Any, /, **kwargs):
-  """``optimizer.update(model, grads)``, then the overwrite variables written.
+def nnx_update(
+  optimizer: nnx.Optimizer,
+  model: nnx.Module,
+  grads: Any,
+  /,
+  *,
+  before: nnx.State | None = None,
+  **kwargs,
+):
+  """``optimizer.update(model, grads)``; on a skipped step, ``before`` written back.
+
+  A skipped step changes nothing: the loss scale keeps the parameters and
+  the optimizer's state, and ``before``, the values of model variables
+  taken before the step's forward pass
+  (``nnx.as_pure(nnx.state(model, nnx.BatchStat))``), are written back
+  into ``model``, so that a non-finite forward pass leaves no NaN running
+  statistics behind (Flax's ``DynamicScale`` loops keep them). After an
+  applied step the variables keep the values the forward pass wrote. Leave
+  ``Rngs`` streams out of ``before``: a retried step should draw new dropout
+  masks.
 
   ``nnx.Optimizer.update`` adds the loss scale's updates to the variables
   its ``wrt`` selects: zeros for Flax's float8 overwrite variables. This
   then writes their new values into ``model``
   (:func:`optax_lossscale.apply_overwrites`): after an applied optimizer
   step only, so a skipped step keeps the old ones. Without overwrite
-  variables it is ``optimizer.update``.
+  variables and ``before`` it is ``optimizer.update``.
+
+  Args:
+    optimizer: an ``nnx.Optimizer``; without a loss scale in its ``tx`` no
+      step is skipped and ``before`` is not used.
+    model: the module it updates.
+    grads: the gradients, from :func:`nnx_value_and_grad`.
+    before: an ``nnx.State`` of values of ``model``'s variables taken before
+      the step (``nnx.as_pure(nnx.state(model, nnx.BatchStat))``), or
+      ``None``.
+    **kwargs: more arguments of ``optimizer.update`` (``value=``).
 
   Returns:
     The updates, as ``optimizer.update`` returns them.
+
+  Raises:
+    ValueError: a path of ``before`` is not a variable of ``model``, or
+      ``before`` holds the model's own variables rather than their values
+      (they have been written by the step: nothing would be kept).
   """
   updates = optimizer.update(model, grads, **kwargs)
   if _overwrite.find_overwrite_state(optimizer) is not None:
     graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
     params = nnx.as_pure(nnx.state(model, optimizer.wrt, **graph))
     nnx.update(model, _overwrite.apply_overwrites(params, optimizer))
+  if before is not None and _loss_scaled(_state.optimizer_state(optimizer)):
+    now = dict(nnx.to_flat_state(nnx.state(model)))
+    old = list(nnx.to_flat_state(before))
+    missing = [path for path, _ in old if path not in now]
+    if missing:
+      raise ValueError(
+        f"nnx_update(before=...): {missing[:3]} are not variables of the model; "
+        "pass nnx.as_pure(nnx.state(model, filter)) taken before the step."
+      )
+    live = [path for path, value in old if value is now[path]]
+    if live:
+      raise ValueError(
+        f"nnx_update(before=...): {live[:3]} are the model's own variables, "
+        "which the step has written: pass a copy of their values taken before "
+        "the step, nnx.as_pure(nnx.state(model, nnx.BatchStat))."
+      )
+    applied = jnp.logical_not(_state.diagnostics(optimizer)["last_step_skipped"])
+    kept = [
+      (path, _skip.select(applied, _tree.unwrap(now[path]), _tree.unwrap(value)))
+      for path, value in old
+    ]
+    nnx.update(model, nnx.from_flat_state(kept))
   return updates

@@ -66,9 +66,13 @@ def test_linen_train_state_applies_skips_and_counts():
   assert skipped.step.dtype == jnp.int32 == state.step.dtype
 
 
-def test_linen_train_state_needs_a_loss_scale():
-  with pytest.raises(ValueError, match="No loss-scale state"):
-    _linen_state(optax.sgd(0.1))
+def test_linen_train_state_refuses_two_loss_scales():
+  # None is Flax's TrainState (tests/test_flax_trainstate.py); two are refused.
+  tx = optax.chain(
+    ols.dynamic_loss_scale(optax.sgd(0.1)), ols.static_loss_scale(optax.sgd(0.1), 2.0)
+  )
+  with pytest.raises(ValueError, match="Found 2 loss-scale states"):
+    _linen_state(tx)
 
 
 class _Nnx(nnx.Module):

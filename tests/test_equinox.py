@@ -1,0 +1,198 @@
+"""value_and_grad over trees with non-array leaves, and Equinox as a client.
+
+``ols.value_and_grad`` differentiates the floating-point array leaves of its
+arguments and gives ``None`` for every other leaf (functions, integers,
+Python numbers), as ``equinox.filter_value_and_grad`` does; the tests with
+Equinox modules (an MLP with activation leaves, autocast, a training loop
+under ``eqx.filter_jit`` with a skipped step) skip when Equinox is absent.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_block_matmul import all_eqns
+
+import optax_lossscale as ols
+
+SCALE = 2.0**10
+
+
+def _state(params=None):
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=SCALE)
+  return tx.init({} if params is None else params)
+
+
+@pytest.fixture
+def eqx():
+  return pytest.importorskip("equinox", reason="the Equinox tests need equinox")
+
+
+def _mlp(eqx, key=0):
+  return eqx.nn.MLP(4, 3, 16, 2, activation=jax.nn.gelu, key=jax.random.key(key))
+
+
+def _loss(model, x):
+  return jnp.mean(jax.vmap(model)(x) ** 2)
+
+
+def _x():
+  return jax.random.normal(jax.random.key(1), (8, 4))
+
+
+# --- any pytree ---------------------------------------------------------------
+
+
+#: (leaf, whether it is differentiated).
+LEAVES = {
+  "float32 array": (jnp.float32(1.5), True),
+  "float16 array": (jnp.ones(3, jnp.float16), True),
+  "numpy float64": (np.ones(2), True),
+  "int32 array": (jnp.arange(3), False),
+  "bool array": (jnp.array([True, False]), False),
+  "Python float": (0.5, False),
+  "Python int": (3, False),
+  "function": (jnp.tanh, False),
+  "string": ("relu", False),
+}
+
+
+@pytest.mark.parametrize("kind", LEAVES)
+def test_each_leaf_kind_is_differentiated_or_held_constant(kind):
+  leaf, differentiated = LEAVES[kind]
+  tree = {"w": jnp.float32(3.0), "other": leaf}
+
+  def f(t):
+    extra = jnp.sum(jnp.asarray(t["other"], jnp.float32)) if differentiated else 0.0
+    return t["w"] ** 2 + extra
+
+  loss, grads = ols.value_and_grad(f)(_state(), tree)
+  assert float(grads["w"]) == 6.0 * SCALE
+  if differentiated:
+    assert grads["other"].dtype == jnp.asarray(leaf).dtype
+    np.testing.assert_array_equal(grads["other"], np.full(np.shape(leaf), SCALE))
+  else:
+    assert grads["other"] is None
+  assert float(loss) == float(f(tree))
+
+
+def test_a_function_leaf_is_called_not_differentiated_under_jit():
+  tree = {"w": jnp.arange(3.0), "act": jax.nn.relu, "n": jnp.int32(2)}
+  f = lambda t, x: jnp.sum(t["act"](t["w"] * x) * t["n"].astype(jnp.float32))  # noqa: E731
+  grad_fn = ols.value_and_grad(f, argnums=(0, 1))
+  loss, (g_tree, g_x) = jax.jit(lambda s, x: grad_fn(s, tree, x))(_state(), 1.0)
+  assert float(loss) == 6.0  # 2 * (relu(0) + relu(1) + relu(2))
+  assert g_tree["act"] is None and g_tree["n"] is None
+  np.testing.assert_array_equal(g_tree["w"], np.array([0.0, 2.0, 2.0]) * SCALE)
+  assert float(g_x) == 6.0 * SCALE  # a traced float is an array
+
+
+@pytest.mark.parametrize("argnums", [2, -3, (0, 5), ()])
+def test_argnums_that_name_no_argument_are_a_value_error(argnums):
+  with pytest.raises(ValueError, match=r"value_and_grad\(argnums="):
+    ols.value_and_grad(lambda a, b: a * b, argnums=argnums)(
+      _state(), jnp.float32(1.0), jnp.float32(2.0)
+    )
+
+
+# --- Equinox ------------------------------------------------------------------
+
+
+def test_an_equinox_mlp_with_activation_leaves_gets_eqx_filter_gradients(eqx):
+  model, x = _mlp(eqx), _x()
+  assert any(callable(leaf) for leaf in jax.tree.leaves(model))
+  loss, grads = ols.value_and_grad(_loss)(_state(), model, x)
+  ref_loss, ref = eqx.filter_value_and_grad(_loss)(model, x)
+  assert float(loss) == float(ref_loss)
+  # The same tree, None where Equinox has None (the activations).
+  assert jax.tree.structure(grads) == jax.tree.structure(ref)
+  assert grads.activation is None and grads.final_activation is None
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+    np.testing.assert_allclose(g, r * SCALE, rtol=1e-6)
+
+
+def test_an_equinox_module_with_static_and_integer_fields(eqx):
+  class Net(eqx.Module):
+    weight: jax.Array
+    half: jax.Array
+    count: jax.Array
+    p: float
+    name: str = eqx.field(static=True)
+
+    def __call__(self, x):
+      h = (self.weight @ x).astype(jnp.float16) * self.half
+      return jnp.sum(h.astype(jnp.float32)) * self.p * self.count.astype(jnp.float32)
+
+  net = Net(
+    weight=jnp.ones((2, 3)),
+    half=jnp.full(2, 2.0, jnp.float16),
+    count=jnp.int32(3),
+    p=0.5,
+    name="net",
+  )
+  _, grads = ols.value_and_grad(lambda m: m(jnp.ones(3)))(_state(), net)
+  ref = eqx.filter_grad(lambda m: m(jnp.ones(3)))(net)
+  assert grads.count is None and grads.p is None and grads.name == "net"
+  assert grads.half.dtype == jnp.float16 and grads.weight.dtype == jnp.float32
+  np.testing.assert_array_equal(grads.weight, ref.weight * SCALE)
+  np.testing.assert_array_equal(grads.half, ref.half * SCALE)
+
+
+@pytest.mark.standard_promotion  # optax's adam
+def test_an_equinox_float16_loop_under_filter_jit_skips_a_nan_step(eqx):
+  model, x = _mlp(eqx), _x()
+  y = jnp.sin(x[:, :3])
+  tx = ols.dynamic_loss_scale(optax.adam(1e-2))
+  opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+
+  def loss_fn(model, x, y):
+    half = jax.tree.map(
+      lambda a: a.astype(jnp.float16) if eqx.is_inexact_array(a) else a, model
+    )
+    pred = jax.vmap(half)(x.astype(jnp.float16)).astype(jnp.float32)
+    return jnp.mean((pred - y) ** 2)
+
+  @eqx.filter_jit
+  def step(model, opt_state, x, y):
+    loss, grads = ols.value_and_grad(loss_fn)(opt_state, model, x, y)
+    params = eqx.filter(model, eqx.is_inexact_array)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+  losses = []
+  for _ in range(30):
+    model, opt_state, loss = step(model, opt_state, x, y)
+    losses.append(float(loss))
+  assert losses[-1] < 0.5 * losses[0], losses
+  assert int(ols.diagnostics(opt_state)["skipped_steps"]) == 0
+  scale = float(ols.get_scale(opt_state))
+  after, opt_state, loss = step(model, opt_state, x.at[0, 0].set(jnp.nan), y)
+  assert not np.isfinite(float(loss))
+  assert bool(ols.diagnostics(opt_state)["last_step_skipped"])
+  assert float(ols.get_scale(opt_state)) == scale / 2
+  for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(model), strict=True):
+    if eqx.is_array(a):
+      np.testing.assert_array_equal(a, b)
+    else:
+      assert a is b
+
+
+def test_autocast_on_an_equinox_module(eqx):
+  model, x = _mlp(eqx), _x()
+  fast = ols.autocast(_loss, compute_dtype=jnp.float16)
+  params, static = eqx.partition(model, eqx.is_inexact_array)
+  jaxpr = jax.make_jaxpr(lambda p: fast(eqx.combine(p, static), x))(params).jaxpr
+  dots = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  assert dots and all(v.aval.dtype == jnp.float16 for e in dots for v in e.invars), (
+    "the module's matmuls must read float16"
+  )
+  np.testing.assert_allclose(float(fast(model, x)), float(_loss(model, x)), rtol=1e-2)
+  loss, grads = eqx.filter_jit(ols.value_and_grad(fast))(_state(), model, x)
+  _, ref = eqx.filter_value_and_grad(_loss)(model, x)
+  assert jax.tree.structure(grads) == jax.tree.structure(ref)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref), strict=True):
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(
+      g / SCALE, r, rtol=0.05, atol=2e-3 * float(jnp.max(jnp.abs(r)))
+    )
