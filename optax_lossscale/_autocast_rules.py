@@ -1,10 +1,12 @@
-"""autocast's rules: its four lists checked, and which values are read in float32.
+"""autocast's rules: its lists checked, and the two analyses of a jaxpr they use.
 
 :class:`Rules` holds the lists (a primitive in none of them is treated as
 denied), the half dtype and the matmul recipe; :func:`float32_results` is
 the backwards analysis that finds the matmuls whose results are only ever
 read in float32 (attention's logits before the softmax), so they can
-accumulate and return float32 themselves.
+accumulate and return float32 themselves; :func:`moved_inputs` the forward
+one that finds the values holding the function's inputs moved, not
+computed, which tells a weight's matmul from attention's.
 """
 
 from __future__ import annotations

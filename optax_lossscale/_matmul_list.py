@@ -46,7 +46,7 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
     *args, **kwargs: its arguments (arrays, or ``jax.ShapeDtypeStruct``).
 
   Returns:
-    A list of :class:`Matmul` (a named tuple): ``path``, the module path
+    A list of ``Matmul`` named tuples: ``path``, the module path
     (the jaxpr's name stack, e.g. ``"Transformer/block_0/Dense_1"``, which a
     recipe's ``exclude`` matches); ``kind``, ``"attention"`` for a batched
     product of two values the function computed, else ``"weight"``;

@@ -228,3 +228,18 @@ def test_linen_mutable_collections_as_without_autocast():
   for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert g.dtype == w.dtype == jnp.float32
     np.testing.assert_allclose(g, w, rtol=2e-3, atol=2e-3 * float(jnp.max(jnp.abs(w))))
+
+
+def test_a_bare_variable_and_rngs_are_carried_back():
+  def f(v, rngs, x):
+    v[...] = v[...] + x
+    return jax.random.normal(rngs(), (2,))
+
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  v, rngs = nnx.Variable(jnp.zeros(3)), nnx.Rngs(0)
+  plain_v, plain_rngs = nnx.Variable(jnp.zeros(3)), nnx.Rngs(0)
+  for _ in range(2):
+    got, want = fast(v, rngs, jnp.ones(3)), f(plain_v, plain_rngs, jnp.ones(3))
+    np.testing.assert_array_equal(got, want)  # the stream advanced alike
+  np.testing.assert_array_equal(v[...], jnp.full(3, 2.0))
+  assert int(rngs.default.count[...]) == 2
