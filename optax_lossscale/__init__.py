@@ -71,6 +71,7 @@ from optax_lossscale.porting import LossScale as LossScale
 from optax_lossscale.porting import LossScaleOptimizer as LossScaleOptimizer
 from optax_lossscale.porting import NoOpLossScale as NoOpLossScale
 from optax_lossscale.porting import StaticLossScale as StaticLossScale
+from optax_lossscale.porting import UnscaledGradients as UnscaledGradients
 from optax_lossscale.porting import ema_params as ema_params
 from optax_lossscale.porting import enable_mixed_precision as enable_mixed_precision
 from optax_lossscale.porting import (
@@ -117,6 +118,7 @@ __all__ = (
   "SkipFallbackWarning",
   "HalfPrecisionStateWarning",
   "StaticLossScale",
+  "UnscaledGradients",
   "StochasticRoundingState",
   "all_finite",
   "apply_overwrites",

@@ -67,7 +67,7 @@ def test_experimental_subclassing_and_attributes():
     assert opt.dynamic is True
     assert opt.initial_scale == 2.0**15
     assert opt.dynamic_growth_steps == 2000
-    assert isinstance(opt.inner_optimizer, optax.GradientTransformation)
+    assert opt.inner_optimizer.name == "sgd"  # Keras' formula, by name
   fixed = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=123)
   assert fixed.dynamic is False
   assert fixed.initial_scale == 123.0
@@ -79,7 +79,7 @@ def test_experimental_subclassing_and_attributes():
 
 def test_config_is_json_and_round_trips():
   opt = ols.LossScaleOptimizer(
-    {"class_name": "adam", "config": {"learning_rate": 0.003, "b1": 0.8}},
+    {"class_name": "adam", "config": {"learning_rate": 0.003, "beta_1": 0.8}},
     initial_scale=256,
     dynamic_growth_steps=7,
     clipvalue=0.5,
@@ -141,10 +141,23 @@ def test_experimental_accepts_tf_fixed_and_dynamic_objects():
     opt.get_config()
     == ols.LossScaleOptimizer("sgd", dynamic=False, initial_scale=32).get_config()
   )
+  # The core's hysteresis goes with an optax transformation only.
+  opt = ols.ExperimentalLossScaleOptimizer(
+    optax.sgd(0.1), loss_scale=ols.DynamicLossScale(multiplier=2.0, hysteresis=2)
+  )
+  assert opt.get_config()["hysteresis"] == 2
+  # With a Keras name, the core's arguments build optax's optimizer.
   opt = ols.ExperimentalLossScaleOptimizer(
     "sgd", loss_scale=ols.DynamicLossScale(multiplier=2.0, hysteresis=2)
   )
   assert opt.get_config()["hysteresis"] == 2
+  assert isinstance(opt.inner_optimizer, optax.GradientTransformation)
+  # TensorFlow's names alone: TensorFlow's rule, Keras' formula.
+  opt = ols.ExperimentalLossScaleOptimizer(
+    "sgd", loss_scale=ols.DynamicLossScale(initial_loss_scale=4.0)
+  )
+  assert opt.get_config() == ols.LossScaleOptimizer("sgd", 4.0).get_config()
+  assert opt.inner_optimizer.name == "sgd"
 
 
 def test_tf_names_on_dynamic_loss_scale():
@@ -199,9 +212,12 @@ def test_both_names_of_one_argument_is_an_error_whatever_the_values(kwargs):
     ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps"),
     ({"initial_scale": -2.0}, "initial_scale"),
     ({"dynamic_growth_steps": 0}, "dynamic_growth_steps"),  # its own name
-    ({"dynamic_growth_steps": None}, "dynamic_growth_steps"),
+    ({"dynamic": False, "initial_scale": 2.0, "dynamic_growth_steps": 3}, "None"),
+    ({"dynamic": False}, "initial_scale"),  # TensorFlow requires it
     ({"dynamic": "yes"}, "dynamic"),
     ({"min_scale": 4.0, "initial_scale": 2.0}, "initial_scale"),
+    ({"hysteresis": 2, "legacy_keras": True}, "hysteresis=2 with legacy_keras"),
+    ({"legacy_keras": 1}, "legacy_keras"),
   ],
 )
 def test_bad_keyword_arguments(kwargs, match):
@@ -212,13 +228,22 @@ def test_bad_keyword_arguments(kwargs, match):
 @pytest.mark.parametrize(
   "inner, match",
   [
-    ("adamm", "unknown optimizer"),
+    ("adamm", "no Keras formula"),
+    ("lion", "no Keras formula"),
+    ({"class_name": "rmsprop", "config": {"momentum": 0.5}}, None),  # known
+    (optax.sgd(0.1), None),
     ({"class_name": "sgd", "config": {"learning_rat": 0.1}}, "learning_rat"),
     ({"name": "sgd"}, "inner_optimizer"),
     (3, "inner_optimizer"),
   ],
 )
 def test_bad_inner_optimizer(inner, match):
+  if match is None:
+    ols.LossScaleOptimizer(inner)
+    ols.LossScaleOptimizer(optax.sgd(0.1), legacy_keras=False)
+    with pytest.raises(ValueError, match="legacy_keras.*Keras name"):
+      ols.LossScaleOptimizer(optax.sgd(0.1), legacy_keras=True)
+    return
   with pytest.raises(ValueError, match=match):
     ols.LossScaleOptimizer(inner)
 
@@ -256,9 +281,12 @@ def test_state_methods():
   f = lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"])
   grads = jax.grad(lambda p: opt.scale_loss(f(p), state))(params)
   unscaled = opt.get_unscaled_gradients(grads, state)
-  chex.assert_trees_all_close(unscaled, jax.grad(f)(params), rtol=1e-6)
+  assert isinstance(unscaled, ols.UnscaledGradients)
+  chex.assert_trees_all_close(unscaled.tree, jax.grad(f)(params), rtol=1e-6)
   updates, state = jax.jit(opt.update)(grads, state, params)
-  chex.assert_trees_all_equal(updates, jax.tree.map(lambda g: -0.01 * g, unscaled))
+  # Keras' SGD: p - g * lr, as the new parameters minus the old.
+  new = jax.tree.map(lambda p, g: p - g * jnp.float32(0.01), params, unscaled.tree)
+  chex.assert_trees_all_equal(updates, jax.tree.map(jnp.subtract, new, params))
 
   assert bool(opt.check_finite(grads))
   assert not bool(opt.check_finite({"a": jnp.array([1.0, jnp.nan])}))
@@ -276,8 +304,10 @@ def test_learning_rate_read_and_changed_under_jit():
   state = jax.jit(opt.set_learning_rate)(state, 0.5)
   assert float(opt.learning_rate(state)) == 0.5
   grads = jax.tree.map(jnp.ones_like, params)
-  updates, _ = opt.update(grads, state, params)
-  chex.assert_trees_all_equal(updates, jax.tree.map(lambda g: -0.5 * g, grads))
+  new, _ = opt.apply_gradients(grads, state, params)  # unscaled (scale 1)
+  chex.assert_trees_all_equal(
+    new, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+  )
 
   plain = ols.LossScaleOptimizer(optax.sgd(0.1))
   with pytest.raises(ValueError, match="inject_hyperparams"):
@@ -480,7 +510,6 @@ def test_the_check_sees_the_gradients_divided_by_loss_scale_factor():
 @pytest.mark.parametrize(
   "kwargs",
   [
-    {"dynamic_growth_steps": 10},
     {"hysteresis": 2},
     {"hysteresis": 0},  # invalid, and silently ignored before
     {"min_scale": 2.0},
@@ -490,11 +519,17 @@ def test_the_check_sees_the_gradients_divided_by_loss_scale_factor():
 def test_dynamic_only_arguments_with_a_fixed_scale_are_refused(kwargs):
   (name,) = kwargs
   with pytest.raises(ValueError, match=f"{name}=.*dynamic=False"):
-    ols.LossScaleOptimizer("sgd", dynamic=False, **kwargs)
+    ols.LossScaleOptimizer(optax.sgd(0.1), dynamic=False, initial_scale=8, **kwargs)
+  with pytest.raises(ValueError, match="dynamic_growth_steps.*None"):
+    ols.LossScaleOptimizer(
+      "sgd", dynamic=False, initial_scale=8, dynamic_growth_steps=9
+    )
 
 
 def test_a_fixed_scale_accepts_the_defaults_it_reports():
-  opt = ols.LossScaleOptimizer("sgd", dynamic=False, dynamic_growth_steps=None)
+  opt = ols.LossScaleOptimizer(
+    "sgd", dynamic=False, initial_scale=8, dynamic_growth_steps=None
+  )
   again = ols.LossScaleOptimizer.from_config(opt.get_config())
   assert again.get_config() == opt.get_config()
 

@@ -8,8 +8,12 @@ the state and its search, ``autocast``) and nothing in the core imports it:
   :func:`with_loss_scale`, which wraps an optax transformation in the loss
   scale one configures;
 * Keras' :class:`LossScaleOptimizer` with every knob of
-  ``tf.keras.mixed_precision.LossScaleOptimizer``, and TensorFlow's
-  deprecated :class:`ExperimentalLossScaleOptimizer` constructor;
+  ``tf.keras.mixed_precision.LossScaleOptimizer``, Keras' optimizer
+  formulas and TensorFlow's loss-scale rule (Keras 3's or tf_keras'
+  numbers, step by step), TensorFlow's ``get_scaled_loss`` /
+  ``get_unscaled_gradients`` (:class:`UnscaledGradients`) /
+  ``apply_gradients`` idiom, and TensorFlow's deprecated
+  :class:`ExperimentalLossScaleOptimizer` constructor;
 * Keras' optimizer pieces: :func:`get_learning_rate`,
   :func:`set_learning_rate`, and the moving average of the weights
   (:func:`ema_params`, :func:`get_ema_params`,
@@ -34,12 +38,15 @@ from optax_lossscale.porting._loss_scale import DynamicLossScale as DynamicLossS
 from optax_lossscale.porting._loss_scale import LossScale as LossScale
 from optax_lossscale.porting._loss_scale import NoOpLossScale as NoOpLossScale
 from optax_lossscale.porting._loss_scale import StaticLossScale as StaticLossScale
-from optax_lossscale.porting._loss_scale import with_loss_scale as with_loss_scale
 from optax_lossscale.porting._mixed_precision import (
   enable_mixed_precision as enable_mixed_precision,
 )
 from optax_lossscale.porting._optimizers import get_learning_rate as get_learning_rate
 from optax_lossscale.porting._optimizers import set_learning_rate as set_learning_rate
+from optax_lossscale.porting._tf_step import UnscaledGradients as UnscaledGradients
+from optax_lossscale.porting._with_loss_scale import (
+  with_loss_scale as with_loss_scale,
+)
 
 __all__ = (
   "DynamicLossScale",
@@ -49,6 +56,7 @@ __all__ = (
   "LossScaleOptimizer",
   "NoOpLossScale",
   "StaticLossScale",
+  "UnscaledGradients",
   "ema_params",
   "enable_mixed_precision",
   "finalize_variable_values",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_lossscale import _validate
-from optax_lossscale.porting import _loss_scale
+from optax_lossscale import _config, _validate
+from optax_lossscale.porting import _loss_scale, _tf_rule
 from optax_lossscale.porting._keras import LossScaleOptimizer
 
 __all__ = ["ExperimentalLossScaleOptimizer"]
@@ -63,6 +63,16 @@ def _from_loss_scale(loss_scale: Any) -> dict[str, Any]:
         f"have multiplier 2 (growth_factor=2, backoff_factor=0.5); got "
         f"growth_factor={c.growth_factor}, backoff_factor={c.backoff_factor}."
       )
+    defaults = (
+      c.min_scale == _config.DEFAULT_MIN_SCALE
+      and c.max_scale == _config.DEFAULT_MAX_SCALE
+      and c.hysteresis == 1
+    )
+    if isinstance(c, _tf_rule.TFRuleConfig) or defaults:
+      return {
+        "initial_scale": c.initial_scale,
+        "dynamic_growth_steps": c.growth_interval,
+      }
     return {
       "initial_scale": c.initial_scale,
       "dynamic_growth_steps": c.growth_interval,

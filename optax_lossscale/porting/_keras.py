@@ -1,18 +1,19 @@
 """The Keras/TensorFlow ``LossScaleOptimizer`` surface, built on optax.
 
-For people porting TensorFlow or Keras code: every knob of
-``tf.keras.mixed_precision.LossScaleOptimizer`` (and of the deprecated
-``experimental`` class) with the same names and defaults, as an optax
-``GradientTransformationExtraArgs`` built from the core transformations.
+For people porting TensorFlow or Keras code: ``LossScaleOptimizer`` with an
+inner optimizer given by its Keras name reproduces Keras 3's (or, with
+``legacy_keras=True``, tf_keras') numbers step by step, under TensorFlow's
+loss-scale rule; with an optax transformation it wraps it in the core's
+loss scale. Either way it is an optax ``GradientTransformationExtraArgs``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from optax_lossscale import (
@@ -22,114 +23,78 @@ from optax_lossscale import (
   _grad,
   _overwrite,
   _state,
-  _transform,
   _tree,
   _validate,
 )
-from optax_lossscale._low_precision import KahanSummationState, StochasticRoundingState
-from optax_lossscale._master import MasterWeights, master_weights
-from optax_lossscale.porting import _ema, _loss_scale, _optimizers
+from optax_lossscale.porting import (
+  _ema,
+  _keras_config,
+  _keras_math,
+  _keras_optax,
+  _optimizers,
+  _tf_step,
+)
+from optax_lossscale.porting._keras_engine import BaseArgs, KerasOptimizerState
 
-
-def _rounding_stays_last(
-  inner: optax.GradientTransformation, after: list[str]
-) -> optax.GradientTransformationExtraArgs:
-  """``inner``, whose ``init`` refuses a rounding transformation in its
-  state: what the facade adds after ``inner`` (``after``: weight decay, the
-  EMA) would change the updates after they were rounded."""
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params):
-    state = inner.init(params)
-    found = _tree.find_all(
-      state, lambda x: isinstance(x, (StochasticRoundingState, KahanSummationState))
-    )
-    if found:
-      kind = type(found[0][1]).__name__.removesuffix("State")
-      raise ValueError(
-        f"LossScaleOptimizer({', '.join(after)}) would act after the inner "
-        f"optimizer's rounding ({kind}), which must come last: the decay or "
-        "average would be rounded away or break what the rounding keeps. "
-        "Pass master_weights(<the inner optimizer without the rounding>) "
-        "instead (weight decay and EMA then act on the float32 master "
-        "weights, before rounding), or put them in your chain before the "
-        "rounding yourself (decoupled decay for Adam: optax.adamw(..., "
-        "weight_decay=...)) and leave these arguments out."
-      )
-    return state
-
-  return optax.GradientTransformationExtraArgs(init_fn, inner.update)
-
-
-#: Keras' default ``dynamic_growth_steps``.
+#: Keras' and TensorFlow's default ``dynamic_growth_steps`` and initial scale.
 DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
+DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
+
+
+def _positive_f32(name: str, value: Any) -> float:
+  out = _validate.as_f32(name, value)
+  if out <= 0:
+    raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
+  return out
 
 
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
-  """Keras' ``LossScaleOptimizer``, as an optax transformation.
+  """Keras' ``LossScaleOptimizer`` as an optax transformation.
 
-  It *is* an ``optax.GradientTransformationExtraArgs`` (``init``/``update``),
-  so it drops into any optax, Flax or Orbax code. Its ``update`` takes the
-  gradients of the *scaled* loss (:meth:`scale_loss`) and, in this order:
-  unscales them by the loss scale and by ``loss_scale_factor``; checks them;
-  accumulates them (``gradient_accumulation_steps``);
-  clips them (``clipnorm``/``clipvalue``/``global_clipnorm``); runs the inner
-  optimizer, plus Keras' decoupled ``weight_decay``; updates the average of
-  the weights (``use_ema``); adjusts the scale. Clipping, decay and
-  accumulation all see *unscaled* gradients.
+  **An inner optimizer given by name** (``'sgd'``, ``'adam'``, ``'adamw'``,
+  ``'rmsprop'``, ``'adagrad'``, or a Keras config ``{'class_name': ...,
+  'config': {...}}``, as Keras 3 and tf_keras serialise it) runs Keras'
+  own formulas, defaults and base optimizer (clipping, weight decay,
+  accumulation, the EMA, ``iterations``), as Keras 3's ``LossScaleOptimizer``
+  does (tf_keras 2.x's with ``legacy_keras=True``), under TensorFlow's rule:
+  the scale is multiplied by 2 after ``dynamic_growth_steps`` finite steps
+  in a row *if the product is finite*, and set to ``max(scale / 2, 1)`` on a
+  non-finite step, which is skipped; any positive finite initial scale is
+  accepted. The unscaled gradients are checked (tf_keras' check; Keras 3
+  checks the scaled ones, which differs only below scale 1).
 
-  Rounding stays last. An inner optimizer made by :func:`master_weights`
-  gets all of that inside it, on the float32 master weights, before they
-  are rounded to the parameters' dtype: ``LossScaleOptimizer(
-  master_weights(inner), weight_decay=...)`` is ``dynamic_loss_scale(
-  master_weights(<inner with decay, EMA, clipping, accumulation>))``. An
-  inner optimizer that rounds in a chain (:func:`stochastic_rounding`,
-  :func:`kahan_summation`) cannot be reordered: with ``weight_decay`` or
-  ``use_ema``, which would act after its rounding, ``init`` raises a
-  ``ValueError`` that says how to compose them.
+  **An optax transformation** is wrapped in the core's loss scale, its rule
+  clamped to ``[min_scale, max_scale]`` (default ``[min(1, initial_scale),
+  2**126]``), with the base arguments as optax pieces around it.
 
-  Since optax transformations are stateless objects, the Keras attributes that
-  live in variables are methods that take the optimizer state:
-  ``loss_scale(state)``, ``dynamic_counter(state)``,
-  ``learning_rate(state)``.
+  Its ``update`` takes the gradients of :meth:`scale_loss`'s loss (optax's
+  way). TensorFlow's way works too: :meth:`get_scaled_loss`,
+  :meth:`get_unscaled_gradients` (its result is marked, so ``update`` does
+  not divide it again), then :meth:`apply_gradients` on unscaled gradients.
+  Keras' variables are read from the state: :meth:`loss_scale`,
+  :meth:`dynamic_counter`, :meth:`iterations`, :meth:`learning_rate`.
 
   Args:
-    inner_optimizer: an optax transformation, or a Keras-style optimizer name
-      (``'sgd'``, ``'adam'``, …) or ``{'class_name': name, 'config':
-      {...}}``, built with ``optax.inject_hyperparams`` and Keras' default
-      learning rate (0.01 for SGD, else 0.001); the other hyper-parameters
-      keep optax's defaults (Adam's ``eps`` is 1e-8 where Keras' is 1e-7:
-      pass it in ``config`` to match). Names make ``get_config`` serialisable;
-      a transformation appears in it as itself.
-    initial_scale: the initial loss scale (the fixed one if not ``dynamic``).
-    dynamic_growth_steps: finite steps in a row before the scale doubles.
-    dynamic: dynamic loss scaling (default). ``False`` keeps
-      ``initial_scale`` fixed and, as TensorFlow's fixed loss scale, applies
-      every step even when it is not finite (use :func:`static_loss_scale` for
-      a fixed scale that skips).
-    weight_decay: Keras' decoupled weight decay, ``p -= p * wd * lr`` each
-      step; needs the learning rate (an inner optimizer given by name or
-      built with ``optax.inject_hyperparams``).
-    clipnorm: clip each gradient to this L2 norm.
-    clipvalue: clip each gradient entry to ``[-clipvalue, clipvalue]``.
-    global_clipnorm: clip all gradients to this global L2 norm. At most one of
-      the three clipping arguments.
-    use_ema: keep an exponential moving average of the weights
-      (:func:`ema_params`); read it with :meth:`finalize_variable_values`.
-    ema_momentum: the EMA momentum, in [0, 1].
-    ema_overwrite_frequency: overwrite the weights with their average every
-      this many applied steps (``None``: never).
-    loss_scale_factor: a fixed extra factor on the loss, divided out of the
-      gradients first.
-    gradient_accumulation_steps: apply the mean of this many (>= 2) finite
-      micro-batch gradients at once (``optax.MultiSteps`` inside the scale);
-      Flax's float8 overwrite leaves get the maximum of their new values.
-    min_scale: floor of the dynamic scale.
-    max_scale: ceiling of the dynamic scale.
-    hysteresis: non-finite steps tolerated before backing off.
+    inner_optimizer: a Keras name or config, or an optax transformation.
+    initial_scale: the initial scale (default ``2**15``); the fixed scale
+      when not ``dynamic``, where it is required, as in TensorFlow.
+    dynamic_growth_steps: finite steps in a row before the scale doubles
+      (default 2000); must be ``None`` when not ``dynamic``.
+    dynamic: dynamic loss scaling (default). ``False`` keeps the scale fixed
+      and applies every step, finite or not, as TensorFlow does.
+    weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema,
+      ema_momentum, ema_overwrite_frequency, loss_scale_factor,
+      gradient_accumulation_steps: Keras' base optimizer arguments, accepted
+      here (TensorFlow's place) or in the inner optimizer's config (Keras
+      3's): the same numbers either way.
+    legacy_keras: tf_keras' formulas and base optimizer (``iterations``
+      advanced by a skipped step, the EMA started from the initial weights);
+      with a Keras name only.
+    min_scale, max_scale, hysteresis, track_nonfinite: the core's clamps,
+      hysteresis and non-finite record, for an optax transformation; with a
+      Keras name they build optax's optimizer of that name (optax's argument
+      names in its config) in the core's loss scale, not Keras' formulas.
     axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
-    track_nonfinite: record which gradient leaves were not finite, and
-      whether the loss was (see :func:`nonfinite_report`); off by default.
 
   Raises:
     ValueError: any invalid argument; the message names it.
@@ -141,8 +106,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     >>> state = opt.init(params)
     >>> grads = {"w": jnp.full(3, 1024.0 * 10)}  # gradients of the scaled loss
     >>> updates, state = opt.update(grads, state, params)
-    >>> updates["w"]  # unscaled to 10, clipped to norm 1, times -0.01
-    Array([-0.0057735, -0.0057735, -0.0057735], dtype=float32)
+    >>> updates["w"]  # unscaled to 10, clipped to norm 1, times -0.01, from 1
+    Array([-0.00577348, -0.00577348, -0.00577348], dtype=float32)
     >>> float(opt.loss_scale(state)), int(opt.dynamic_counter(state))
     (1024.0, 1)
   """
@@ -150,8 +115,8 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   def __new__(
     cls,
     inner_optimizer: Any,
-    initial_scale: float = _config.DEFAULT_INITIAL_SCALE,
-    dynamic_growth_steps: int | None = DEFAULT_GROWTH_STEPS,
+    initial_scale: float | None = None,
+    dynamic_growth_steps: int | None = None,
     *,
     dynamic: bool = True,
     weight_decay: float | None = None,
@@ -163,128 +128,34 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     ema_overwrite_frequency: int | None = None,
     loss_scale_factor: float | None = None,
     gradient_accumulation_steps: int | None = None,
-    min_scale: float = _config.DEFAULT_MIN_SCALE,
-    max_scale: float = _config.DEFAULT_MAX_SCALE,
-    hysteresis: int = 1,
+    legacy_keras: bool = False,
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    hysteresis: int | None = None,
     axis_name: Any = None,
     track_nonfinite: bool = False,
   ):
-    inner, inner_config = _optimizers.inner_spec(inner_optimizer)
-    if not isinstance(dynamic, bool):
-      raise ValueError(f"`dynamic` must be a bool, got {dynamic!r}.")
+    for name, flag in (("dynamic", dynamic), ("legacy_keras", legacy_keras)):
+      if not isinstance(flag, bool):
+        raise ValueError(f"`{name}` must be a bool, got {flag!r}.")
     if dynamic:
+      initial_scale = DEFAULT_INITIAL_SCALE if initial_scale is None else initial_scale
       if dynamic_growth_steps is None:
-        raise ValueError("`dynamic_growth_steps` must be an integer when dynamic.")
-      _validate.int_in("dynamic_growth_steps", dynamic_growth_steps, 1)
-      scale = _loss_scale.DynamicLossScale(
-        initial_scale,
-        growth_interval=dynamic_growth_steps,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
+        dynamic_growth_steps = DEFAULT_GROWTH_STEPS
+      dynamic_growth_steps = _validate.int_in(
+        "dynamic_growth_steps", dynamic_growth_steps, 1
       )
-      dynamic_growth_steps = scale.config.growth_interval
     else:
-      # Arguments that only a dynamic scale uses must not be silently dropped
-      # (TensorFlow raises for dynamic_growth_steps). Their defaults, which
-      # get_config reports, are accepted.
-      dynamic_only = {
-        "dynamic_growth_steps": (dynamic_growth_steps, (None, DEFAULT_GROWTH_STEPS)),
-        "min_scale": (min_scale, (_config.DEFAULT_MIN_SCALE,)),
-        "max_scale": (max_scale, (_config.DEFAULT_MAX_SCALE,)),
-        "hysteresis": (hysteresis, (1,)),
-      }
-      given = [
-        f"{k}={v!r}"
-        for k, (v, defaults) in dynamic_only.items()
-        if not any(v is d or (not isinstance(v, bool) and v == d) for d in defaults)
-      ]
-      if given:
+      if initial_scale is None:
+        raise ValueError("`initial_scale` must be given when `dynamic` is False.")
+      if dynamic_growth_steps is not None:
         raise ValueError(
-          f"{', '.join(given)} given with dynamic=False: only a dynamic loss "
-          "scale uses them. Drop them, or pass dynamic=True."
+          "`dynamic_growth_steps` must be None when `dynamic` is False, got "
+          f"{dynamic_growth_steps!r}."
         )
-      # TensorFlow's fixed loss scale applies every step.
-      scale = _loss_scale.StaticLossScale(initial_scale, skip_nonfinite=False)
-      dynamic_growth_steps = None
-    initial_scale = scale.config.initial_scale
+    initial_scale = _positive_f32("initial_scale", initial_scale)
 
-    if weight_decay is not None:
-      weight_decay = _validate.float_in("weight_decay", weight_decay, 0.0, math.inf)
-      _validate.as_f32("weight_decay", weight_decay)
-    clipnorm = _validate.optional_positive("clipnorm", clipnorm, f32=True)
-    clipvalue = _validate.optional_positive("clipvalue", clipvalue, f32=True)
-    global_clipnorm = _validate.optional_positive(
-      "global_clipnorm", global_clipnorm, f32=True
-    )
-    if sum(c is not None for c in (clipnorm, clipvalue, global_clipnorm)) > 1:
-      raise ValueError(
-        "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set; "
-        f"got clipnorm={clipnorm}, clipvalue={clipvalue}, "
-        f"global_clipnorm={global_clipnorm}."
-      )
-    if not isinstance(use_ema, bool):
-      raise ValueError(f"`use_ema` must be a bool, got {use_ema!r}.")
-    ema_momentum = _validate.float_in("ema_momentum", ema_momentum, 0.0, 1.0)
-    ema_overwrite_frequency = _validate.optional_int_at_least(
-      "ema_overwrite_frequency", ema_overwrite_frequency, 1
-    )
-    if loss_scale_factor is not None:
-      # Divided out of the gradients: it and its reciprocal must be normal
-      # float32 numbers, as a loss scale.
-      loss_scale_factor = _validate.check_scale("loss_scale_factor", loss_scale_factor)
-    gradient_accumulation_steps = _validate.optional_int_at_least(
-      "gradient_accumulation_steps", gradient_accumulation_steps, 2
-    )
-
-    # Build the chain, innermost first (the order is the docstring's), inside
-    # master_weights if the inner optimizer is one: rounding stays last.
-    store = inner.store if isinstance(inner, MasterWeights) else None
-    body = inner.inner if store is not None else inner
-    after = [
-      f"{k}={v!r}"
-      for k, v in (("weight_decay", weight_decay), ("use_ema", use_ema))
-      if v
-    ]
-    if after:
-      body = _rounding_stays_last(body, after)
-    if weight_decay:
-      body = _optimizers.decoupled_weight_decay(body, weight_decay)
-    if use_ema:
-      body = optax.chain(
-        body,
-        _ema.ema_params(ema_momentum, overwrite_frequency=ema_overwrite_frequency),
-      )
-    if clipnorm is not None:
-      body = optax.chain(_optimizers.clip_each_by_norm(clipnorm), body)
-    elif clipvalue is not None:
-      body = optax.chain(optax.clip(clipvalue), body)
-    elif global_clipnorm is not None:
-      body = optax.chain(optax.clip_by_global_norm(global_clipnorm), body)
-    if gradient_accumulation_steps is not None:
-      body = optax.MultiSteps(
-        body, gradient_accumulation_steps
-      ).gradient_transformation()
-    if store is not None:
-      body = master_weights(body, store=store)
-    # The factor is divided out with the loss scale, before the finite check,
-    # so the check sees what is applied.
-    tx = _transform.loss_scale_transformation(
-      body,
-      scale.config,
-      axis_name=axis_name,
-      factor=loss_scale_factor,
-      track_nonfinite=track_nonfinite,
-    )
-
-    self = super().__new__(cls, tx.init, tx.update)
-    self._inner = inner
-    self._loss_scale_factor = loss_scale_factor
-    self._config = {
-      "inner_optimizer": inner_config,
-      "dynamic": dynamic,
-      "initial_scale": initial_scale,
-      "dynamic_growth_steps": dynamic_growth_steps,
+    base = {
       "weight_decay": weight_decay,
       "clipnorm": clipnorm,
       "clipvalue": clipvalue,
@@ -294,12 +165,103 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "ema_overwrite_frequency": ema_overwrite_frequency,
       "loss_scale_factor": loss_scale_factor,
       "gradient_accumulation_steps": gradient_accumulation_steps,
-      "min_scale": scale.config.min_scale if dynamic else _config.DEFAULT_MIN_SCALE,
-      "max_scale": scale.config.max_scale if dynamic else _config.DEFAULT_MAX_SCALE,
-      "hysteresis": scale.config.hysteresis,
-      "axis_name": axis_name,
-      "track_nonfinite": track_nonfinite,
     }
+    core_only = {
+      "min_scale": min_scale,
+      "max_scale": max_scale,
+      "hysteresis": hysteresis,
+      "track_nonfinite": track_nonfinite or None,
+    }
+    keras = not _keras_config.is_transformation(inner_optimizer)
+    inner_config = inner_optimizer
+    if keras and any(v is not None for v in core_only.values()):
+      if legacy_keras:
+        given = [f"{k}={v!r}" for k, v in core_only.items() if v is not None]
+        raise ValueError(
+          f"{', '.join(given)} with legacy_keras=True: the core's clamps, "
+          "hysteresis and record run optax's optimizer of that name, not "
+          "tf_keras' formulas."
+        )
+      # The core's arguments: optax's optimizer of that name, in the core's
+      # loss scale (optax's argument names in its config).
+      inner_optimizer, inner_config = _optimizers.inner_spec(inner_optimizer)
+      keras = False
+    if keras:
+      name, own, from_inner = _keras_config.inner_parts(inner_optimizer)
+      # Keras 3's LossScaleOptimizer turns its inner optimizer's
+      # loss_scale_factor off (the gradients would be unscaled twice).
+      from_inner.pop("loss_scale_factor", None)
+      base = _keras_config.merge_base(base, from_inner)
+      if name.lower() == "adamw" and "weight_decay" not in from_inner:
+        if base["weight_decay"] is None:
+          base["weight_decay"] = _keras_math.DEFAULTS["adamw"]["weight_decay"]
+    base = _keras_config.validate_base(base)
+    self_config = {
+      "dynamic": dynamic,
+      "initial_scale": initial_scale,
+      "dynamic_growth_steps": dynamic_growth_steps if dynamic else None,
+      **base,
+      "legacy_keras": legacy_keras,
+      "axis_name": axis_name,
+    }
+    if keras:
+      spec = _keras_math.spec(name, own, legacy=legacy_keras)
+      if legacy_keras:
+        for k in ("gradient_accumulation_steps", "loss_scale_factor"):
+          if base[k] is not None:
+            raise ValueError(f"`{k}`: tf_keras has none (legacy_keras=True).")
+      factor = base.pop("loss_scale_factor")
+      tx = _tf_step.KerasLossScale(
+        spec,
+        BaseArgs(**base),
+        initial_scale,
+        dynamic_growth_steps if dynamic else None,
+        factor,
+        axis_name,
+      )
+      inner_config = {"class_name": spec.name, "config": dict(spec.hyper)}
+      self = super().__new__(cls, tx.init, tx.update)
+      self._keras = tx
+      self._inner = spec
+    else:
+      if legacy_keras:
+        raise ValueError(
+          "`legacy_keras=True` selects tf_keras' formulas: give the inner "
+          "optimizer by its Keras name."
+        )
+      config = _keras_config.core_config(
+        dynamic, initial_scale, dynamic_growth_steps, min_scale, max_scale, hysteresis
+      )
+      tx = _keras_optax.build(
+        inner_optimizer,
+        config,
+        **base,
+        axis_name=axis_name,
+        track_nonfinite=track_nonfinite,
+      )
+      self_config.update(
+        min_scale=config.min_scale if dynamic else None,
+        max_scale=config.max_scale if dynamic else None,
+        hysteresis=config.hysteresis if dynamic else None,
+        track_nonfinite=track_nonfinite,
+      )
+
+      def update(updates, state, params=None, **extra):
+        if isinstance(updates, _tf_step.UnscaledGradients):
+          raise ValueError(
+            "update() takes the gradients of the scaled loss, and these were "
+            "unscaled by get_unscaled_gradients(): dividing them again would "
+            "make the step the loss scale times too small. Pass the scaled "
+            "gradients to update(), or give the inner optimizer by its Keras "
+            "name and call apply_gradients(unscaled, state, params)."
+          )
+        return tx.update(updates, state, params, **extra)
+
+      self = super().__new__(cls, tx.init, update)
+      self._keras = None
+      self._inner = inner_optimizer
+    self._loss_scale_factor = self_config["loss_scale_factor"]
+    self._config = {"inner_optimizer": inner_config, **self_config}
     return self
 
   def __repr__(self):
@@ -318,8 +280,13 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   @classmethod
   def from_config(cls, config: Mapping[str, Any]) -> LossScaleOptimizer:
-    """A new optimizer (fresh state) from :meth:`get_config`'s output."""
-    return LossScaleOptimizer.__new__(cls, **config)
+    """A new optimizer (fresh state) from a configuration.
+
+    Reads :meth:`get_config`'s output and the configurations Keras 3,
+    tf_keras and TensorFlow 2.3 write (``loss_scale`` holding a
+    ``FixedLossScale`` or ``DynamicLossScale``).
+    """
+    return LossScaleOptimizer.__new__(cls, **_keras_config.lso_kwargs(config))
 
   def __getattr__(self, name):
     # Every constructor argument is readable as an attribute (Keras' style).
@@ -329,11 +296,19 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
   @property
-  def inner_optimizer(self) -> optax.GradientTransformation:
-    """The wrapped optax transformation (built, if given by name)."""
+  def inner_optimizer(self) -> Any:
+    """The optax transformation, or the Keras optimizer's spec (by name)."""
     return self._inner
 
   # -- reading the state ---------------------------------------------------
+
+  def _keras_state(self, state: Any, what: str) -> KerasOptimizerState:
+    if self._keras is None:
+      raise ValueError(
+        f"`{what}` is kept by a Keras optimizer given by name (e.g. 'adam'); "
+        "this LossScaleOptimizer wraps an optax transformation."
+      )
+    return _state.find_loss_scale_state(state).inner_state
 
   def loss_scale(self, state: Any) -> jax.Array:
     """The current float32 loss scale held in ``state``."""
@@ -345,15 +320,34 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       return None
     return _state.counters(state).good_steps
 
+  def iterations(self, state: Any) -> jax.Array:
+    """Keras' ``optimizer.iterations`` (Keras 3: applied steps, divided by the
+    accumulation; tf_keras: every step, skipped ones included)."""
+    it = self._keras_state(state, "iterations").iterations
+    gas = self._config["gradient_accumulation_steps"]
+    return it // gas if gas else it
+
   def learning_rate(self, state: Any) -> jax.Array:
-    """The inner optimizer's injected learning rate (see :func:`get_learning_rate`)."""
-    return _optimizers.get_learning_rate(state)
+    """The learning rate of the last step (before any: of the first)."""
+    if self._keras is None:
+      return _optimizers.get_learning_rate(state)
+    return self._keras_state(state, "learning_rate").learning_rate
 
   lr = learning_rate
 
   def set_learning_rate(self, state: Any, learning_rate: Any) -> Any:
-    """``state`` with the inner learning rate replaced."""
-    return _optimizers.set_learning_rate(state, learning_rate)
+    """``state`` with the learning rate replaced (a number, not a schedule)."""
+    if self._keras is None:
+      return _optimizers.set_learning_rate(state, learning_rate)
+    if callable(self._keras.spec["learning_rate"]):
+      raise ValueError(
+        "This optimizer's learning rate is a schedule: it cannot be set."
+      )
+    counters = _state.find_loss_scale_state(state)
+    inner = counters.inner_state._replace(
+      learning_rate=jnp.asarray(learning_rate, jnp.float32)
+    )
+    return _keras_config.set_inner(state, counters, inner)
 
   # -- the loss-scaling operations -----------------------------------------
 
@@ -364,32 +358,66 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       return scaled
     return _core.scale_value(scaled, self._loss_scale_factor)
 
-  def get_unscaled_gradients(self, grads: Any, state: Any) -> Any:
-    """Gradients of :meth:`scale_loss`'s loss divided back, as ``update`` does.
+  def get_scaled_loss(self, loss: Any, state: Any) -> Any:
+    """TensorFlow's name: :meth:`scale_loss`, or for a callable loss a
+    callable returning the scaled loss."""
+    if callable(loss):
+      return lambda *args, **kwargs: self.scale_loss(loss(*args, **kwargs), state)
+    return self.scale_loss(loss, state)
 
-    Flax's float8 overwrite leaves (new values, not gradients) are returned
-    as they are, as ``update`` takes them; with a :func:`master_weights`
-    inner optimizer, half-precision gradients come back in float32, as
-    ``update`` hands them to it.
+  def get_unscaled_gradients(self, grads: Any, state: Any) -> Any:
+    """Gradients of :meth:`scale_loss`'s loss divided back, marked unscaled.
+
+    Multiplied by the scale's float32 reciprocal, as TensorFlow does. The
+    result is a :class:`UnscaledGradients` (index it as the tree, or read
+    ``.tree``): :meth:`apply_gradients` takes it; ``update`` takes it as
+    unscaled (by name) or refuses it (optax transformation), never dividing
+    twice. Flax's float8 overwrite leaves are returned as they are; with a
+    :func:`master_weights` inner optimizer, half-precision gradients come
+    back in float32, as ``update`` hands them to it.
     """
+    grads, _ = _tf_step.unwrap(grads)
     _tree.array_leaves(grads)
-    return _core.unscale_tree(
-      grads,
-      _state.get_scale(state),
-      self._loss_scale_factor,
-      keep=_overwrite.mask_in(state),
-      float32=_state.wants_float32_gradients(state),
+    return _tf_step.UnscaledGradients(
+      _core.unscale_tree(
+        grads,
+        _state.get_scale(state),
+        self._loss_scale_factor,
+        keep=_overwrite.mask_in(state),
+        float32=_state.wants_float32_gradients(state),
+      )
     )
+
+  def apply_gradients(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    """TensorFlow's ``apply_gradients``: unscaled gradients in, new params out.
+
+    Checks ``grads`` (plain or from :meth:`get_unscaled_gradients`), adjusts
+    the scale, and applies the step if they are finite.
+
+    Returns:
+      ``(new_params, new_state)``.
+    """
+    if self._keras is None:
+      raise ValueError(
+        "apply_gradients() takes unscaled gradients, which the core's loss "
+        "scale around an optax transformation does not: call update() with "
+        "the gradients of scale_loss(), or give the inner optimizer by name."
+      )
+    tree, _ = _tf_step.unwrap(grads)
+    return self._keras.step(_tf_step.UnscaledGradients(tree), state, params)
 
   @staticmethod
   def check_finite(grads: Any) -> jax.Array:
     """Whether every floating entry of ``grads`` is finite (a bool scalar)."""
-    return _finite.all_finite(grads)
+    return _finite.all_finite(_tf_step.unwrap(grads)[0])
 
   def finalize_variable_values(self, params: Any, state: Any) -> Any:
     """``params`` with the EMA swapped in if ``use_ema``, else ``params``."""
     if not self._config["use_ema"]:
       return params
+    if self._keras is not None:
+      ema = self._keras_state(state, "ema").ema
+      return jax.tree.map(lambda p, a: a.astype(p.dtype), params, ema)
     # Flax's float8 overwrite leaves are not averaged: they stay as they are.
     return _overwrite.on_regular_leaves(
       lambda p: _ema.finalize_variable_values(p, state), params, state

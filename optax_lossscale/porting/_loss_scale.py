@@ -9,7 +9,7 @@ neither trace nor drop it). Calling one gives the current scale;
 ``update(grads)`` gives the next object and whether to apply the step, as
 TensorFlow's ``LossScale.update`` does. TensorFlow's argument names
 (``initial_loss_scale``, ``increment_period``, ``multiplier``) are accepted
-here, and only here. :func:`with_loss_scale` wraps an optax transformation in
+here, and only here. ``with_loss_scale`` wraps an optax transformation in
 the loss scale a ``LossScale`` object configures.
 """
 
@@ -20,18 +20,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from optax_lossscale import _config, _core, _finite, _transform, _tree, _validate
+from optax_lossscale import _config, _core, _finite, _tree
 from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._core import LossScaleState
+from optax_lossscale.porting import _tf_names, _tf_rule
 
 __all__ = [
   "DynamicLossScale",
   "LossScale",
   "NoOpLossScale",
   "StaticLossScale",
-  "with_loss_scale",
 ]
 
 
@@ -150,8 +149,18 @@ class LossScale:
     return _core.unscale(grads, self._state.loss_scale)
 
   def adjust(self, finite: jax.Array) -> tuple[LossScale, jax.Array]:
-    """The next loss scale given whether this step's gradients were finite."""
-    state, should_apply = _core.adjust(self._state, finite, self._config)
+    """The next loss scale given whether this step's gradients were finite.
+
+    TensorFlow's rule for a :class:`DynamicLossScale` made without the core's
+    clamps (a :class:`_tf_rule.TFRuleConfig`), the core's otherwise.
+    """
+    c = self._config
+    if isinstance(c, _tf_rule.TFRuleConfig):
+      state, should_apply = _tf_rule.tf_adjust(
+        self._state, finite, c.growth_interval, c.growth_factor
+      )
+    else:
+      state, should_apply = _core.adjust(self._state, finite, c)
     return self.replace(state), should_apply
 
   def update(self, grads: Any, *, axis_name: Any = None) -> tuple[LossScale, jax.Array]:
@@ -201,61 +210,18 @@ for _name in _core.COUNTER_FIELDS:
 del _name
 
 
-class _DefaultFloat(float):
-  """A default value: tells "not given" from the same value given."""
-
-
-class _DefaultInt(int):
-  """A default value: tells "not given" from the same value given."""
-
-
-def _given(value: Any) -> bool:
-  return type(value) not in (_DefaultFloat, _DefaultInt)
-
-
-# TensorFlow's argument names: (TensorFlow's, ours).
-_TF_NAMES = (
-  ("initial_loss_scale", "initial_scale"),
-  ("increment_period", "growth_interval"),
-)
-
-
-def _resolve_tf_names(ours: dict[str, Any], tf: dict[str, Any]) -> dict[str, Any]:
-  """Our keyword arguments with TensorFlow's merged in; giving both is an error.
-
-  ``ours`` holds only the arguments the caller gave, ``tf`` TensorFlow's
-  (``None``: not given); ``multiplier`` stands for both factors, the backoff being
-  ``1 / multiplier`` as in TensorFlow.
-  """
-  out = dict(ours)
-  for tf_name, name in _TF_NAMES:
-    if tf.get(tf_name) is None:
-      continue
-    if name in ours:
-      raise ValueError(
-        f"Give `{name}` or its TensorFlow name `{tf_name}`, not both "
-        f"(got {name}={ours[name]!r}, {tf_name}={tf[tf_name]!r})."
-      )
-    out[name] = tf[tf_name]
-  multiplier = tf.get("multiplier")
-  if multiplier is not None:
-    given = [n for n in ("growth_factor", "backoff_factor") if n in ours]
-    if given:
-      raise ValueError(
-        f"Give `{'`/`'.join(given)}` or TensorFlow's `multiplier`, not both "
-        f"(got multiplier={multiplier!r})."
-      )
-    growth_factor = _validate.as_float("multiplier", multiplier)
-    if growth_factor <= 1.0:
-      raise ValueError(f"`multiplier` must be > 1, got {multiplier!r}.")
-    out["growth_factor"] = growth_factor
-    out["backoff_factor"] = 1.0 / growth_factor
-  return out
-
-
 @jax.tree_util.register_pytree_with_keys_class
 class DynamicLossScale(LossScale):
-  """Dynamic loss scaling (Keras ``LossScaleOptimizer``, torch ``GradScaler``).
+  """Dynamic loss scaling: TensorFlow's ``DynamicLossScale``, or the core's rule.
+
+  Given TensorFlow's argument names (``initial_loss_scale``,
+  ``increment_period``, ``multiplier``, as TensorFlow's own ``from_config``
+  passes them) and none of ``backoff_factor``, ``min_scale``, ``max_scale``
+  and ``hysteresis``, it is ``tf.compat.v1.mixed_precision.DynamicLossScale``:
+  TensorFlow's rule (the scale grows while the grown value is finite and
+  backs off to no less than 1; any positive finite float32 initial scale),
+  and ``get_config`` gives TensorFlow's dict. Otherwise it is the core's
+  rule, clamped to ``[min_scale, max_scale]`` (default ``[1, 2**24]``).
 
   Args:
     initial_scale: the starting scale (default ``2**15``).
@@ -264,8 +230,9 @@ class DynamicLossScale(LossScale):
     growth_factor: growth multiplier, > 1 (default 2).
     backoff_factor: backoff multiplier on a non-finite step, in (0, 1)
       (default 0.5).
-    min_scale: the scale never goes below this (positive, normal float32).
-    max_scale: the scale never goes above this (finite).
+    min_scale: the scale never goes below this (positive, normal float32;
+      default 1).
+    max_scale: the scale never goes above this (finite; default ``2**24``).
     hysteresis: non-finite steps tolerated before backing off (Megatron-LM);
       the count refills when the scale grows. 1 backs off on every one.
     initial_loss_scale: TensorFlow's name for ``initial_scale``.
@@ -280,22 +247,24 @@ class DynamicLossScale(LossScale):
   Example:
     >>> import optax_lossscale as ols
     >>> tf_style = ols.DynamicLossScale(initial_loss_scale=2048, increment_period=500)
-    >>> tf_style.config == ols.DynamicLossScale(2048, growth_interval=500).config
-    True
+    >>> tf_style.get_config()
+    {'initial_loss_scale': 2048.0, 'increment_period': 500, 'multiplier': 2.0}
+    >>> ols.DynamicLossScale(2048, growth_interval=500).config.max_scale
+    16777216.0
   """
 
   __slots__ = ()
 
   def __init__(
     self,
-    initial_scale: float = _DefaultFloat(_config.DEFAULT_INITIAL_SCALE),
+    initial_scale: float = _tf_names.DefaultFloat(_config.DEFAULT_INITIAL_SCALE),
     *,
-    growth_interval: int = _DefaultInt(_config.DEFAULT_GROWTH_INTERVAL),
-    growth_factor: float = _DefaultFloat(_config.DEFAULT_GROWTH_FACTOR),
-    backoff_factor: float = _DefaultFloat(_config.DEFAULT_BACKOFF_FACTOR),
-    min_scale: float = _config.DEFAULT_MIN_SCALE,
-    max_scale: float = _config.DEFAULT_MAX_SCALE,
-    hysteresis: int = 1,
+    growth_interval: int = _tf_names.DefaultInt(_config.DEFAULT_GROWTH_INTERVAL),
+    growth_factor: float = _tf_names.DefaultFloat(_config.DEFAULT_GROWTH_FACTOR),
+    backoff_factor: float = _tf_names.DefaultFloat(_config.DEFAULT_BACKOFF_FACTOR),
+    min_scale: float | None = None,
+    max_scale: float | None = None,
+    hysteresis: int | None = None,
     initial_loss_scale: float | None = None,
     increment_period: int | None = None,
     multiplier: float | None = None,
@@ -311,14 +280,22 @@ class DynamicLossScale(LossScale):
       "increment_period": increment_period,
       "multiplier": multiplier,
     }
-    given = {k: v for k, v in ours.items() if _given(v)}
-    defaults = {k: type(v).__base__(v) for k, v in ours.items() if not _given(v)}
-    kwargs = {**defaults, **_resolve_tf_names(given, tf)}
-    super().__init__(
-      _config.dynamic_config(
-        min_scale=min_scale, max_scale=max_scale, hysteresis=hysteresis, **kwargs
+    given = {k: v for k, v in ours.items() if _tf_names.given(v)}
+    defaults = {
+      k: type(v).__base__(v) for k, v in ours.items() if not _tf_names.given(v)
+    }
+    kwargs = {**defaults, **_tf_names.resolve_tf_names(given, tf)}
+    clamps = {"min_scale": min_scale, "max_scale": max_scale, "hysteresis": hysteresis}
+    tf_style = any(v is not None for v in tf.values())
+    ours_only = "backoff_factor" in given or any(v is not None for v in clamps.values())
+    if ours_only or not tf_style:
+      super().__init__(
+        _config.dynamic_config(
+          **{k: v for k, v in clamps.items() if v is not None}, **kwargs
+        )
       )
-    )
+      return
+    super().__init__(_tf_rule.config(kwargs))
 
   # TensorFlow's attribute names.
   @property
@@ -334,7 +311,14 @@ class DynamicLossScale(LossScale):
     return self._config.growth_factor
 
   def get_config(self) -> dict[str, Any]:
+    """TensorFlow's keys when it follows TensorFlow's rule, else ours."""
     c = self._config
+    if isinstance(c, _tf_rule.TFRuleConfig):
+      return {
+        "initial_loss_scale": c.initial_scale,
+        "increment_period": c.growth_interval,
+        "multiplier": c.growth_factor,
+      }
     return {
       "initial_scale": c.initial_scale,
       "growth_interval": c.growth_interval,
@@ -363,10 +347,17 @@ class StaticLossScale(LossScale):
     super().__init__(_config.static_config(scale, skip_nonfinite))
 
   def get_config(self) -> dict[str, Any]:
-    return {
-      "scale": self._config.initial_scale,
-      "skip_nonfinite": self._config.skip_nonfinite,
-    }
+    """TensorFlow's ``FixedLossScale`` config when it applies every step."""
+    if not self._config.skip_nonfinite:
+      return {"loss_scale_value": self._config.initial_scale}
+    return {"scale": self._config.initial_scale, "skip_nonfinite": True}
+
+  @classmethod
+  def from_config(cls, config: dict[str, Any]) -> StaticLossScale:
+    """Reads :meth:`get_config`'s output and TensorFlow's ``FixedLossScale``'s."""
+    if "loss_scale_value" in config:
+      return cls(config["loss_scale_value"], skip_nonfinite=False)
+    return cls(**config)
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -383,56 +374,3 @@ class NoOpLossScale(LossScale):
 
   def get_config(self) -> dict[str, Any]:
     return {}
-
-
-def with_loss_scale(
-  inner: optax.GradientTransformation,
-  loss_scale: LossScale,
-  *,
-  axis_name: Any = None,
-  track_nonfinite: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-  """Wraps ``inner`` with the loss scale that ``loss_scale`` configures.
-
-  The same transformation as :func:`~optax_lossscale.dynamic_loss_scale`
-  (for a :class:`DynamicLossScale`) or
-  :func:`~optax_lossscale.static_loss_scale` (for a
-  :class:`StaticLossScale`); a :class:`NoOpLossScale` keeps one code path
-  for float32/bfloat16 runs (scale 1, nothing unscaled, nothing skipped).
-  Only the object's configuration is used: every ``init`` starts from fresh
-  counters.
-
-  Args:
-    inner: the transformation to wrap (``optax.chain(...)`` included).
-    loss_scale: a :class:`LossScale`.
-    axis_name: the mapped axis (``pmap``/``shard_map``) to AND the finite flag
-      over, so that every replica takes the same decision.
-    track_nonfinite: keep a record of which gradient leaves were not finite
-      (see :func:`~optax_lossscale.nonfinite_report`); with a
-      :class:`NoOpLossScale` the gradients are then checked for the record
-      alone.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`LossScaleState`.
-
-  Raises:
-    ValueError: ``loss_scale`` is not a :class:`LossScale`.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> from optax_lossscale.porting import NoOpLossScale, with_loss_scale
-    >>> tx = with_loss_scale(optax.sgd(0.1), NoOpLossScale())
-    >>> state = tx.init({"w": jnp.ones(2)})
-    >>> updates, state = tx.update({"w": jnp.ones(2)}, state)
-    >>> updates["w"]
-    Array([-0.1, -0.1], dtype=float32)
-  """
-  if not isinstance(loss_scale, LossScale):
-    raise ValueError(
-      "`loss_scale` must be a DynamicLossScale, StaticLossScale or "
-      f"NoOpLossScale, got {loss_scale!r}."
-    )
-  return _transform.loss_scale_transformation(
-    inner, loss_scale.config, axis_name=axis_name, track_nonfinite=track_nonfinite
-  )

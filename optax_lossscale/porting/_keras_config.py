@@ -1,0 +1,225 @@
+"""Reading optimizer configurations: Keras names, Keras 3, tf_keras and TensorFlow 2.3.
+
+:func:`inner_parts` splits an inner optimizer given by name or config into
+its Keras formula's hyper-parameters and the base optimizer's arguments
+(Keras 3 puts ``clipnorm`` and the others on the inner optimizer);
+:func:`lso_kwargs` turns any ``LossScaleOptimizer`` configuration that
+TensorFlow or Keras writes (``get_config``) into this package's keyword
+arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from optax_lossscale import _config, _validate
+
+__all__ = [
+  "BASE_DEFAULTS",
+  "core_config",
+  "inner_parts",
+  "lso_kwargs",
+  "set_inner",
+  "validate_base",
+]
+
+#: The base optimizer's arguments and their defaults (Keras 3's).
+BASE_DEFAULTS: dict[str, Any] = {
+  "weight_decay": None,
+  "clipnorm": None,
+  "clipvalue": None,
+  "global_clipnorm": None,
+  "use_ema": False,
+  "ema_momentum": 0.99,
+  "ema_overwrite_frequency": None,
+  "loss_scale_factor": None,
+  "gradient_accumulation_steps": None,
+}
+# Keys of a Keras optimizer config that carry nothing here.
+_IGNORED = ("name", "jit_compile", "is_legacy_optimizer")
+
+
+def is_transformation(inner: Any) -> bool:
+  """Anything with callable ``init`` and ``update`` (``optax.MultiSteps`` too)."""
+  return not isinstance(inner, (str, Mapping)) and all(
+    callable(getattr(inner, n, None)) for n in ("init", "update")
+  )
+
+
+def inner_parts(inner: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
+  """``(name, the formula's config, base arguments)`` of a name or config.
+
+  Accepts ``'adam'``, ``{'class_name': 'Adam', 'config': {...}}`` and what
+  Keras 3 and tf_keras serialise (``module`` and ``registered_name`` keys,
+  the base arguments, ``name``, ``jit_compile``, ``is_legacy_optimizer``
+  and a zero legacy ``decay`` inside ``config``).
+
+  Raises:
+    ValueError: any other form, or a serialised learning-rate schedule.
+  """
+  if isinstance(inner, str):
+    inner = {"class_name": inner, "config": {}}
+  if not (
+    isinstance(inner, Mapping)
+    and set(inner) <= {"class_name", "config", "module", "registered_name"}
+    and isinstance(inner.get("class_name"), str)
+    and isinstance(inner.get("config", {}), Mapping)
+  ):
+    raise ValueError(
+      "`inner_optimizer` must be an optax GradientTransformation, an optimizer "
+      f"name such as 'adam', or {{'class_name': ..., 'config': {{...}}}}; got "
+      f"{inner!r}."
+    )
+  own, base = {}, {}
+  for k, v in inner.get("config", {}).items():
+    if k in _IGNORED:
+      continue
+    if k == "decay":  # tf.keras' OptimizerV2 config (TensorFlow <= 2.10)
+      if v:
+        raise ValueError(
+          f"`inner_optimizer`: the legacy `decay={v!r}` (a learning rate "
+          "decaying with the step) is not supported; pass a schedule as "
+          "`learning_rate`."
+        )
+      continue
+    if k == "learning_rate" and isinstance(v, Mapping):
+      raise ValueError(
+        "`inner_optimizer`: a serialised learning-rate schedule "
+        f"({v.get('class_name', v)!r}) cannot be read; pass the schedule "
+        "itself, a callable of the iteration count, as `learning_rate`."
+      )
+    if k in BASE_DEFAULTS:
+      if v != BASE_DEFAULTS[k]:
+        base[k] = v
+      continue
+    own[k] = v
+  return inner["class_name"], own, base
+
+
+def merge_base(given: dict[str, Any], from_inner: dict[str, Any]) -> dict[str, Any]:
+  """The base arguments given to ``LossScaleOptimizer`` and its inner optimizer.
+
+  Either place is accepted (TensorFlow's document puts them on the loss-scale
+  optimizer, Keras 3 on the inner one); giving one with two values is a
+  ``ValueError``.
+  """
+  out = dict(given)
+  for k, v in from_inner.items():
+    if k in given and given[k] != BASE_DEFAULTS[k] and given[k] != v:
+      raise ValueError(
+        f"`{k}` is given both to LossScaleOptimizer ({given[k]!r}) and in the "
+        f"inner optimizer's config ({v!r}); give it once."
+      )
+    out[k] = v
+  return out
+
+
+def lso_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
+  """This package's ``LossScaleOptimizer`` arguments for any ``get_config``.
+
+  Reads this package's own configs, Keras 3's (``name``, ``inner_optimizer``,
+  ``initial_scale``, ``dynamic_growth_steps``), tf_keras' (``dynamic`` as
+  well) and TensorFlow 2.3's (``optimizer`` and a ``loss_scale`` holding a
+  ``FixedLossScale`` or ``DynamicLossScale`` config).
+
+  Raises:
+    ValueError: a ``loss_scale`` of another class or with a multiplier other
+      than 2 (as tf_keras refuses them).
+  """
+  config = dict(config)
+  config.pop("name", None)
+  if "loss_scale" in config:
+    from optax_lossscale.porting import _tf_rule
+
+    ls = config.pop("loss_scale")
+    ls_class = ls.get("class_name") if isinstance(ls, Mapping) else None
+    ls_config = dict(ls.get("config", {})) if isinstance(ls, Mapping) else {}
+    if ls_class == "FixedLossScale":
+      config["dynamic"] = False
+      config["initial_scale"] = _tf_rule.fixed_value(ls_config)
+    elif ls_class == "DynamicLossScale":
+      if float(ls_config.get("multiplier", 2.0)) != 2.0:
+        raise ValueError(
+          "Cannot read a LossScaleOptimizer config whose DynamicLossScale "
+          f"multiplier is not 2: {ls!r}."
+        )
+      config["dynamic"] = True
+      config["initial_scale"] = ls_config.get("initial_loss_scale", 2.0**15)
+      config["dynamic_growth_steps"] = ls_config.get("increment_period", 2000)
+    else:
+      raise ValueError(
+        "A LossScaleOptimizer config whose `loss_scale` is neither a "
+        f"FixedLossScale nor a DynamicLossScale cannot be read: {ls!r}."
+      )
+    config["inner_optimizer"] = config.pop("optimizer")
+  return config
+
+
+def set_inner(state: Any, counters: Any, inner: Any) -> Any:
+  new = counters._replace(inner_state=inner)
+  return jax.tree.map(
+    lambda x: new if x is counters else x, state, is_leaf=lambda x: x is counters
+  )
+
+
+def validate_base(base: dict[str, Any]) -> dict[str, Any]:
+  """The base arguments validated (each error names its argument)."""
+  out = dict(base)
+  if out["weight_decay"] is not None:
+    out["weight_decay"] = _validate.float_in(
+      "weight_decay", out["weight_decay"], 0.0, math.inf
+    )
+    _validate.as_f32("weight_decay", out["weight_decay"])
+  for k in ("clipnorm", "clipvalue", "global_clipnorm"):
+    out[k] = _validate.optional_positive(k, out[k], f32=True)
+  clips = [k for k in ("clipnorm", "clipvalue", "global_clipnorm") if out[k]]
+  if len(clips) > 1:
+    raise ValueError(
+      "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set; "
+      f"got {', '.join(f'{k}={out[k]}' for k in clips)}."
+    )
+  if not isinstance(out["use_ema"], bool):
+    raise ValueError(f"`use_ema` must be a bool, got {out['use_ema']!r}.")
+  out["ema_momentum"] = _validate.float_in("ema_momentum", out["ema_momentum"], 0, 1)
+  out["ema_overwrite_frequency"] = _validate.optional_int_at_least(
+    "ema_overwrite_frequency", out["ema_overwrite_frequency"], 1
+  )
+  if out["loss_scale_factor"] is not None:
+    # Divided out of the gradients: it and its reciprocal must be normal
+    # float32 numbers, as a loss scale.
+    out["loss_scale_factor"] = _validate.check_scale(
+      "loss_scale_factor", out["loss_scale_factor"]
+    )
+  out["gradient_accumulation_steps"] = _validate.optional_int_at_least(
+    "gradient_accumulation_steps", out["gradient_accumulation_steps"], 2
+  )
+  return out
+
+
+def core_config(dynamic, initial, growth, min_scale, max_scale, hysteresis):
+  """The core's configuration for an optax inner optimizer."""
+  if not dynamic:
+    given = [
+      f"{k}={v!r}"
+      for k, v in (("min_scale", min_scale), ("max_scale", max_scale))
+      + (("hysteresis", hysteresis),)
+      if v is not None
+    ]
+    if given:
+      raise ValueError(
+        f"{', '.join(given)} given with dynamic=False: only a dynamic loss "
+        "scale uses them. Drop them, or pass dynamic=True."
+      )
+    return _config.static_config(initial, skip_nonfinite=False)
+  lo, hi = _validate.SCALE_RANGE
+  return _config.dynamic_config(
+    initial_scale=initial,
+    growth_interval=growth,
+    min_scale=min(1.0, max(initial, lo)) if min_scale is None else min_scale,
+    max_scale=hi if max_scale is None else max_scale,
+    hysteresis=1 if hysteresis is None else hysteresis,
+  )

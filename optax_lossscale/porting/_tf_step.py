@@ -1,0 +1,160 @@
+"""A Keras optimizer under TensorFlow's loss scale: one step, as TensorFlow takes it.
+
+:class:`KerasLossScale` is what ``LossScaleOptimizer`` builds for an inner
+optimizer given by its Keras name: its ``update`` takes the gradients of
+the scaled loss (optax's convention), its ``apply_gradients`` unscaled ones
+(TensorFlow's); both check the unscaled gradients, adjust the scale by
+TensorFlow's rule (:mod:`._tf_rule`) and run the Keras step
+(:mod:`._keras_engine`) when they are finite. :class:`UnscaledGradients`
+marks what ``get_unscaled_gradients`` returns, so that ``update`` never
+divides it a second time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_lossscale import _core, _finite, _skip, _tree
+from optax_lossscale._core import LossScaleState
+from optax_lossscale.porting import _keras_engine, _tf_rule
+from optax_lossscale.porting._keras_engine import BaseArgs
+from optax_lossscale.porting._keras_math import OptimizerSpec
+
+__all__ = ["KerasLossScale", "UnscaledGradients"]
+
+_F32 = jnp.float32
+
+
+@jax.tree_util.register_pytree_node_class
+class UnscaledGradients:
+  """Gradients already divided by the loss scale (``get_unscaled_gradients``).
+
+  A pytree whose one child is the gradient tree; indexing, iteration and
+  ``len`` reach into it, and :attr:`tree` is the tree itself. The porting
+  ``LossScaleOptimizer.update`` takes it as unscaled (no second division),
+  and ``apply_gradients`` takes it or the plain tree.
+  """
+
+  __slots__ = ("tree",)
+
+  def __init__(self, tree: Any):
+    self.tree = tree
+
+  def tree_flatten(self):
+    return (self.tree,), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux
+    return cls(children[0])
+
+  def __getitem__(self, key):
+    return self.tree[key]
+
+  def __iter__(self):
+    return iter(self.tree)
+
+  def __len__(self):
+    return len(self.tree)
+
+  def __repr__(self):
+    return f"UnscaledGradients({self.tree!r})"
+
+
+def unwrap(grads: Any) -> tuple[Any, bool]:
+  """``(the tree, whether it was marked unscaled)``."""
+  if isinstance(grads, UnscaledGradients):
+    return grads.tree, True
+  return grads, False
+
+
+class KerasLossScale:
+  """TensorFlow's loss scale around a Keras optimizer: ``init``, ``update``, ``step``.
+
+  Args:
+    spec: the Keras optimizer.
+    base: its base arguments.
+    initial_scale: the initial (or fixed) scale, any positive finite float32.
+    growth_steps: ``dynamic_growth_steps``, or ``None`` for a fixed scale
+      (every step applied, as TensorFlow's fixed scale).
+    factor: ``loss_scale_factor``, divided out after the scale, or ``None``.
+    axis_name: the mapped axis to AND the finite flag over.
+  """
+
+  def __init__(self, spec, base, initial_scale, growth_steps, factor, axis_name):
+    self.spec: OptimizerSpec = spec
+    self.base: BaseArgs = base
+    self.initial_scale = initial_scale
+    self.growth_steps = growth_steps
+    self.factor = factor
+    self.axis_name = axis_name
+
+  def init(self, params: Any) -> LossScaleState:
+    inner = _keras_engine.init(self.spec, self.base, params)
+    return _tf_rule.initial_state(self.initial_scale, inner)
+
+  def unscale(self, grads: Any, scale: jax.Array) -> Any:
+    """Keras 3 divides by the scale; tf_keras multiplies by its reciprocal."""
+    _tree.array_leaves(grads)
+    if self.spec.legacy:
+      out = _core.unscale_tree(grads, scale)
+    else:
+      out = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+    if self.factor is not None:
+      out = jax.tree.map(lambda g: g / jnp.asarray(self.factor, g.dtype), out)
+    return out
+
+  def step(
+    self, grads: Any, state: LossScaleState, params: Any
+  ) -> tuple[Any, LossScaleState]:
+    """``(new params, new state)`` for ``grads``, scaled or marked unscaled."""
+    if not isinstance(state, LossScaleState) or not isinstance(
+      state.inner_state, _keras_engine.KerasOptimizerState
+    ):
+      raise ValueError(
+        "This LossScaleOptimizer expects the state made by its own init(); got "
+        f"{type(state).__name__}."
+      )
+    if params is None:
+      raise ValueError("A Keras optimizer needs the parameters: pass `params`.")
+    tree, unscaled = unwrap(grads)
+    if not unscaled:
+      tree = self.unscale(tree, state.loss_scale)
+    _tree.array_leaves(tree)
+    try:
+      jax.tree.map(lambda g, p: None, tree, params)
+    except (ValueError, TypeError):
+      raise ValueError(
+        "The gradient tree does not match the parameter tree.\n"
+        f"  grads:  {jax.tree.structure(tree)}\n"
+        f"  params: {jax.tree.structure(params)}"
+      ) from None
+    # The unscaled gradients decide, as tf_keras checks them: with a scale
+    # below 1, what overflows when unscaled is not applied.
+    finite = _core.reduce_flag(
+      _finite.leaves_finite(jax.tree.leaves(tree)), self.axis_name
+    )
+    new_state, apply = _tf_rule.tf_adjust(
+      state,
+      finite,
+      self.growth_steps,
+      skip_nonfinite=self.growth_steps is not None,
+    )
+    inner = state.inner_state
+    new_params, new_inner = _keras_engine.step(
+      self.spec, self.base, tree, inner, params
+    )
+    kept = _keras_engine.skipped(self.spec, inner)
+    new_params = _skip.select_tree(apply, new_params, params)
+    new_inner = _skip.select_tree(apply, new_inner, kept)
+    return new_params, new_state._replace(inner_state=new_inner)
+
+  def update(self, grads, state, params=None, **extra_args):
+    """optax's ``update``: the updates ``new_params - params``."""
+    del extra_args
+    new_params, new_state = self.step(grads, state, params)
+    updates = jax.tree.map(lambda n, p: n - p, new_params, params)
+    return updates, new_state
