@@ -18,7 +18,8 @@ Quantization"):
   moment) takes the *unsigned* map (no sign bit: one more fraction bit per
   decade), any other block the signed one; the stored scale is negated for
   a signed block, so that the block's map is read from the sign of its
-  scale.
+  scale; by default an unsigned block holds its values' square roots (half
+  the decades: Adam's second moment keeps its smallest entries).
 
 :func:`dequantize_state` returns the state in float32.
 """
@@ -136,12 +137,15 @@ class QuantizedLeaf:
       to infinities and NaN).
     dtype: the dtype the inner transformation made the leaf in.
     block_size: elements per block.
+    sqrt: whether a block of the unsigned map holds its values' square
+      roots (its scale then is their largest).
   """
 
   codes: jax.Array
   scales: jax.Array
   dtype: Any
   block_size: int
+  sqrt: bool
 
   def dequantize(self) -> jax.Array:
     """The leaf in float32: each code's map value times its block's absmax."""
@@ -149,39 +153,73 @@ class QuantizedLeaf:
 
 
 jax.tree_util.register_dataclass(
-  QuantizedLeaf, data_fields=["codes", "scales"], meta_fields=["dtype", "block_size"]
+  QuantizedLeaf,
+  data_fields=["codes", "scales"],
+  meta_fields=["dtype", "block_size", "sqrt"],
 )
 
 
-def _encode(x: jax.Array, block_size: int) -> QuantizedLeaf:
+_DECADES = np.float32(10.0) ** np.arange(-7, 0, dtype=np.float32)  # 1e-7 ... 0.1
+_TO_UNIT = np.array([10.0 ** (6 - i) for i in range(7)], np.float32)
+
+
+def _nearest_code(s: jax.Array, signed: jax.Array, thresholds: jax.Array) -> jax.Array:
+  """The index of the nearest value of the map (signed or not) to ``s`` in
+  [-1, 1], from the map's structure and two of its thresholds.
+
+  A magnitude ``a`` in decade ``i`` (``[1e-7, 1e-6) * 10**i``) lies in one
+  of the decade's ``n`` equal cells of ``[0.1, 1] * 10**(i - 6)``, whose
+  midpoint is a code; a cell's edges are its codes' midpoints, so the
+  nearest code is the cell's, or (at a decade's edge, or where float32
+  puts ``a`` in the neighbouring cell) the next one either way: comparing
+  ``s`` with the thresholds on both sides of the candidate settles it.
+  """
+  u = jnp.where(signed, 0, 1).astype(jnp.int32)  # 2**(i + u) codes in decade i
+  a = jnp.abs(s)
+  decade = sum((a >= t).astype(jnp.int32) for t in _DECADES)  # 0: below 1e-7
+  i = jnp.maximum(decade - 1, 0)
+  n = jnp.left_shift(1, i + u)
+  cell = jnp.floor((a * jnp.asarray(_TO_UNIT)[i] - 0.1) * n.astype(_F32) / 0.9)
+  cell = jnp.clip(cell.astype(jnp.int32), 0, n - 1)
+  rank = jnp.where(decade > 0, 1 + (jnp.left_shift(1, i + u) - (1 << u)) + cell, 0)
+  zero = jnp.where(signed, 127, 0)
+  c = jnp.where(s < 0, zero - rank, zero + rank)
+  base = jnp.where(signed, 0, 256)
+  up = thresholds[base + c] <= s
+  down = (c > 0) & (thresholds[base + jnp.maximum(c - 1, 0)] > s)
+  return c + up.astype(jnp.int32) - down.astype(jnp.int32)
+
+
+def _encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
   """``x`` as codes and scales, each element to the nearest value of its
-  block's map (a value exactly halfway between two rounds down)."""
-  thresholds = jnp.asarray(_tables()[1])
+  block's map (a value exactly halfway between two rounds down); with
+  ``sqrt``, a block that is all ``>= 0`` as its square roots."""
+  thresholds = _tables()[1]
   b, k = _blocked(x.astype(_F32), block_size)
+  signed = jnp.min(b, axis=-1, keepdims=True) < 0
+  if sqrt:
+    b = jnp.where(signed, b, jnp.sqrt(jnp.where(signed, 0.0, b)))
   # NaN counts as an infinity (XLA's max reductions may drop a NaN)
   mag = jnp.where(jnp.isnan(b), jnp.inf, jnp.abs(b))
   absmax = jnp.max(mag, axis=-1, keepdims=True)
-  signed = jnp.min(b, axis=-1, keepdims=True) < 0
   inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0).astype(_F32)
   s = jnp.clip(b * inv, -1.0, 1.0)
-  base = jnp.where(signed, 0, 256).astype(jnp.int32)
-  # the number of the map's thresholds <= s: a binary search in 8 steps
-  idx = jnp.zeros(s.shape, jnp.int32)
-  for step in (128, 64, 32, 16, 8, 4, 2, 1):
-    up = thresholds[base + idx + (step - 1)] <= s
-    idx = jnp.where(up, idx + step, idx)
+  idx = _nearest_code(s, signed, jnp.asarray(thresholds))
   codes = idx.astype(jnp.uint8).reshape(*x.shape[:k], -1)
   codes = codes[..., : math.prod(x.shape[k:])].reshape(x.shape)
   scales = jnp.where(signed, -absmax, absmax)[..., 0]
-  return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size)
+  return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
 
 
 def _decode(q: QuantizedLeaf) -> jax.Array:
-  """float32 values of ``q``'s codes in the maps its scales' signs select."""
+  """float32 values of ``q``'s codes in the maps its scales' signs select
+  (squared for an unsigned block stored as square roots)."""
   code = jnp.asarray(_tables()[0])
   c, k = _blocked(q.codes.astype(jnp.int32), q.block_size)
-  base = jnp.where(q.scales < 0, 0, 256)[..., None]
-  v = code[base + c] * jnp.abs(q.scales)[..., None]
+  unsigned = (q.scales >= 0)[..., None]
+  v = code[jnp.where(unsigned, 256, 0) + c] * jnp.abs(q.scales)[..., None]
+  if q.sqrt:
+    v = jnp.where(unsigned, v * v, v)
   v = v.reshape(*q.codes.shape[:k], -1)[..., : math.prod(q.codes.shape[k:])]
   return v.reshape(q.codes.shape)
 
@@ -208,18 +246,18 @@ class QuantizeState(optax.GradientTransformationExtraArgs):
 
   Attributes:
     inner: the wrapped transformation.
-    bits, block_size, min_size: as given.
+    bits, block_size, min_size, store_sqrt: as given.
   """
 
-  def __new__(cls, init, update, inner, bits, block_size, min_size):
+  def __new__(cls, init, update, inner, **options):
     self = super().__new__(cls, init, update)
-    self.inner, self.bits = inner, bits
-    self.block_size, self.min_size = block_size, min_size
+    self.inner, self.options = inner, options
+    for name, value in options.items():
+      setattr(self, name, value)
     return self
 
   def __reduce__(self):  # copy/pickle: rebuilt from what made it
-    kw = dict(bits=self.bits, block_size=self.block_size, min_size=self.min_size)
-    return (functools.partial(quantize_state, **kw), (self.inner,))
+    return (functools.partial(quantize_state, **self.options), (self.inner,))
 
 
 def _is_quantized(x: Any) -> bool:
@@ -245,6 +283,7 @@ def quantize_state(
   bits: int = 8,
   block_size: int = 256,
   min_size: int = 4096,
+  store_sqrt: bool = True,
 ) -> QuantizeState:
   """``inner`` with its large state leaves stored in 8 bits, blockwise.
 
@@ -257,9 +296,16 @@ def quantize_state(
   leading axes where its trailing ones hold whole blocks), one float32
   scale per block, 8-bit codes of bitsandbytes' dynamic map (unsigned for
   a block that is all ``>= 0``, signed otherwise), rounded to nearest.
-  ``update`` dequantises the state (each leaf in its own dtype), runs
-  ``inner.update``, and quantises the new state; a leaf holding NaN or an
-  infinity gets an infinite scale, which the checkpoint guard sees.
+  With ``store_sqrt`` (the default) a block that is all ``>= 0`` is stored
+  as its values' square roots: rounded to nearest, Adam's second moment
+  loses its smallest entries to 0 (where the update ``m / (sqrt(0) +
+  eps)`` is too large by orders of magnitude); square roots span half as
+  many decades, and no entry measured in BENCHMARKS.md became 0 (its
+  "8-bit optimizer state" section). ``store_sqrt=False`` is bitsandbytes'
+  ``Adam8bit`` storage. ``update`` dequantises the state (each leaf in its
+  own dtype), runs ``inner.update``, and quantises the new state; a leaf
+  holding NaN or an infinity gets an infinite scale, which the checkpoint
+  guard sees.
 
   Put it inside the loss scale and inside :func:`master_weights`
   (``dynamic_loss_scale(master_weights(quantize_state(optax.adam(...))))``):
@@ -273,13 +319,15 @@ def quantize_state(
     bits: bits per code; 8 (the one width offered).
     block_size: elements per block, a power of two >= 2.
     min_size: leaves with fewer elements are not quantised (>= 0).
+    store_sqrt: store the square roots of a block that is all ``>= 0``.
 
   Returns:
     A :class:`QuantizeState` (an ``optax.GradientTransformationExtraArgs``)
     whose state is a :class:`QuantizedState`.
 
   Raises:
-    ValueError: a bad ``bits``, ``block_size`` or ``min_size``; ``init``
+    ValueError: a bad ``bits``, ``block_size``, ``min_size`` or
+      ``store_sqrt``; ``init``
       where ``inner``'s state holds a :func:`master_weights` state;
       ``update`` with a state made for other parameters or by another
       transformation (naming the leaf).
@@ -304,6 +352,9 @@ def quantize_state(
   min_size = _validate.as_int("min_size", min_size)
   if min_size < 0:
     raise ValueError(f"`min_size` must be >= 0, got {min_size}.")
+  if not isinstance(store_sqrt, (bool, np.bool_)):
+    raise ValueError(f"`store_sqrt` must be True or False, got {store_sqrt!r}.")
+  store_sqrt = bool(store_sqrt)
   if not (
     callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
   ):
@@ -318,7 +369,7 @@ def quantize_state(
         and x.size >= min_size
         and x.size > 0
       ):
-        return _encode(x, block_size)
+        return _encode(x, block_size, store_sqrt)
       return x
 
     return jax.tree.map(leaf, inner_state)
@@ -339,7 +390,7 @@ def quantize_state(
     t_flat, treedef = jax.tree.flatten(template, is_leaf=_is_quantized)
     n_flat = treedef.flatten_up_to(new_state)
     out = [
-      _encode(n, block_size) if _is_quantized(t) else n
+      _encode(n, block_size, store_sqrt) if _is_quantized(t) else n
       for t, n in zip(t_flat, n_flat, strict=True)
     ]
     return jax.tree.unflatten(treedef, out)
@@ -352,7 +403,15 @@ def quantize_state(
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
     return new_updates, QuantizedState(requantized(state.inner_state, new_inner))
 
-  return QuantizeState(init_fn, update_fn, inner, bits, block_size, min_size)
+  return QuantizeState(
+    init_fn,
+    update_fn,
+    inner,
+    bits=bits,
+    block_size=block_size,
+    min_size=min_size,
+    store_sqrt=store_sqrt,
+  )
 
 
 def _check_layout(expected: Any, state: Any) -> None:
@@ -378,8 +437,8 @@ def _describe(x: Any) -> str:
     return "nothing"
   if _is_quantized(x):
     return (
-      f"quantised {jnp.dtype(x.dtype).name}{list(x.codes.shape)} "
-      f"(scales {list(x.scales.shape)})"
+      f"quantised {jnp.dtype(x.dtype).name}{list(x.codes.shape)} (scales "
+      f"{list(x.scales.shape)}, block_size {x.block_size}, store_sqrt {x.sqrt})"
     )
   dtype = getattr(x, "dtype", None)
   if dtype is None:

@@ -78,7 +78,7 @@ def test_each_element_takes_its_nearest_code(shape, block, scales):
   x = rng.normal(size=shape).astype(np.float32) * np.logspace(-6, 1, shape[-1])
   x = x.astype(np.float32)
   x.reshape(-1)[:block] = np.abs(x.reshape(-1)[:block])
-  leaf = q._encode(jnp.asarray(x), block)
+  leaf = q._encode(jnp.asarray(x), block, sqrt=False)
   assert leaf.codes.shape == shape and leaf.codes.dtype == jnp.uint8
   assert leaf.scales.shape == scales
   flat = x.reshape(-1)
@@ -108,9 +108,30 @@ def test_a_value_halfway_between_two_codes_rounds_down():
   i = next(i for i in range(200, 255) if np.float32(mids[i]) == mids[i])
   mid = mids[i]  # a midpoint that float32 holds exactly
   x = jnp.asarray(np.r_[np.float32(mid), np.float32(1.0), np.zeros(254, np.float32)])
-  assert int(q._encode(x, 256).codes[0]) == i
+  assert int(q._encode(x, 256, sqrt=False).codes[0]) == i
   above = jnp.asarray(np.nextafter(np.float32(mid), np.float32(2)))
-  assert int(q._encode(x.at[0].set(above), 256).codes[0]) == i + 1
+  assert int(q._encode(x.at[0].set(above), 256, sqrt=False).codes[0]) == i + 1
+
+
+def test_an_unsigned_block_stores_its_square_roots():
+  rng = np.random.default_rng(3)
+  x = np.sign(rng.normal(size=1024)) * 10.0 ** rng.uniform(-10, 0, 1024)
+  x[:512] = np.abs(x[:512])  # two unsigned blocks, two signed
+  x = jnp.asarray(x.astype(np.float32))
+  leaf = q._encode(x, 256)
+  plain = q._encode(x, 256, sqrt=False)
+  roots = q._encode(jnp.sqrt(jnp.abs(x)), 256, sqrt=False)
+  np.testing.assert_array_equal(leaf.codes[:512], roots.codes[:512])
+  np.testing.assert_array_equal(leaf.scales[:2], roots.scales[:2])
+  np.testing.assert_array_equal(leaf.codes[512:], plain.codes[512:])
+  np.testing.assert_array_equal(leaf.scales[2:], plain.scales[2:])
+  back = np.asarray(leaf.dequantize())
+  want = np.asarray(roots.dequantize()[:512]) ** 2
+  np.testing.assert_array_equal(back[:512], want.astype(np.float32))
+  # entries down to 1e-10 of their block's largest: 0 as they are, kept as roots
+  small = np.asarray(x[:512]) > 0
+  assert (np.asarray(plain.dequantize())[:512][small] == 0).sum() > 0
+  assert (back[:512][small] == 0).sum() == 0
 
 
 def test_zeros_and_non_finite_blocks():
@@ -235,6 +256,7 @@ def test_a_bfloat16_state_leaf_comes_back_in_bfloat16():
     ({"block_size": 2.5}, "block_size"),
     ({"min_size": -1}, "`min_size`"),
     ({"min_size": "big"}, "min_size"),
+    ({"store_sqrt": 1}, "`store_sqrt`"),
   ],
 )
 def test_bad_arguments(kwargs, match):
@@ -259,9 +281,10 @@ def test_a_state_of_another_structure_is_refused_naming_the_leaf():
   plain = ols.quantize_state(optax.adam(1e-3), min_size=10**6).init(params)
   with pytest.raises(ValueError, match=r"leaf at .*mu.*\['w'\] is float32\[16, 512\]"):
     tx.update(_grads(params), plain, params)
-  wrong_block = ols.quantize_state(optax.adam(1e-3), block_size=128).init(params)
-  with pytest.raises(ValueError, match="block_size"):
-    tx.update(_grads(params), wrong_block, params)
+  for other in ({"block_size": 128}, {"store_sqrt": False}):
+    wrong = ols.quantize_state(optax.adam(1e-3), **other).init(params)
+    with pytest.raises(ValueError, match=next(iter(other))):
+      tx.update(_grads(params), wrong, params)
 
 
 def test_master_weights_inside_it_is_refused():
