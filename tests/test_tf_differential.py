@@ -6,7 +6,10 @@ Each configuration runs the same scaled gradients through Keras 3's
 ``LossScaleOptimizer`` (``legacy_keras=False`` through optax's ``update``,
 ``legacy_keras=True`` through TensorFlow's idiom), and compares after every
 step the loss scale, the growth counter and ``iterations`` exactly, the
-parameters and the moving average at ``rtol=1e-6``.
+parameters and the moving average to 1e-6 of each leaf's largest magnitude
+(XLA:CPU fuses multiply-adds, TensorFlow rounds each operation: the last
+bits differ, and an element that cancels to near zero keeps its operands'
+rounding).
 
 Against tf_keras every step must agree. Against Keras 3 every step agrees
 up to the first step where Keras 3 leaves TensorFlow's rule, which must be
@@ -193,7 +196,7 @@ def test_tensorflows_idiom_gives_tensorflows_numbers_in_keras3_mode():
 # --------------------------------------------------------------------------
 
 V1_DYNAMIC = [
-  {},
+  {"initial_loss_scale": 2.0**15},  # TensorFlow's defaults otherwise
   {"initial_loss_scale": 2.0**-10, "increment_period": 1},
   {"initial_loss_scale": 2.0**100, "increment_period": 1, "multiplier": 2.0},
   {"initial_loss_scale": 1000.0, "increment_period": 2, "multiplier": 3.0},
