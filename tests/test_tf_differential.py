@@ -169,6 +169,21 @@ def test_step_by_step(name):
     assert O.first_difference(ours[:i], k3[:i]) is None
 
 
+@pytest.mark.parametrize(
+  "name", ["adam, global_clipnorm, EMA", "sgd, clipvalue, weight decay"]
+)
+def test_a_skipped_first_step(name):
+  """Before any applied step: Keras 3's average is zeros, tf_keras' the weights."""
+  cfg = CONFIGS[name]
+  if not cfg.kwargs().get("use_ema"):
+    cfg = O.Config(cfg.optimizer, cfg.hyper, (*cfg.base, *ADAM_EMA), 2.0**4, 1)
+  params0, grads_seq = _data(2, kinds=["nan", "inf"] + KINDS[:10])
+  ours = O.run_ours(cfg, params0, grads_seq, legacy=False, idiom="optax")
+  assert O.first_difference(ours, O.run_keras3(cfg, params0, grads_seq)) is None
+  legacy = O.run_ours(cfg, params0, grads_seq, legacy=True, idiom="tf")
+  assert O.first_difference(legacy, O.run_tf_keras(cfg, params0, grads_seq)) is None
+
+
 def test_fused_multiply_add_difference():
   """The one difference of arithmetic: Keras 3 NaN, ours finite, at the 1e38 step."""
   cfg = CONFIGS["rmsprop centered, momentum"]

@@ -13,6 +13,10 @@ their constants, on a :class:`KerasOptimizerState`:
   EMA is updated on every call, starting at the first new weights.
 * tf_keras: no accumulation; the EMA starts from the initial weights and
   every step, skipped ones included, counts in ``iterations``.
+
+Before its first step Keras 3's average is zeros (what
+``finalize_variable_values`` would then swap in), tf_keras' the initial
+weights.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def _learning_rate(spec: OptimizerSpec, iterations: jax.Array, held=None) -> jax
 
 
 def init(spec: OptimizerSpec, base: BaseArgs, params: Any) -> KerasOptimizerState:
-  """A fresh state; the EMA starts as a copy of ``params``."""
+  """A fresh state (the EMA: zeros for Keras 3, ``params`` for tf_keras)."""
   copy = lambda p: jnp.array(p, copy=True)  # noqa: E731
   zeros = lambda p: jnp.zeros(jnp.shape(p), p.dtype)  # noqa: E731
   it = jnp.zeros([], _I32)
@@ -92,7 +96,9 @@ def init(spec: OptimizerSpec, base: BaseArgs, params: Any) -> KerasOptimizerStat
     accumulators=(
       jax.tree.map(zeros, params) if base.gradient_accumulation_steps else None
     ),
-    ema=jax.tree.map(copy, params) if base.use_ema else None,
+    # Keras 3's average starts at zeros (the first step overwrites it with
+    # the new weights); tf_keras' at the initial weights.
+    ema=jax.tree.map(copy if spec.legacy else zeros, params) if base.use_ema else None,
   )
 
 
