@@ -71,6 +71,11 @@ def unwrap(grads: Any) -> tuple[Any, bool]:
   return grads, False
 
 
+def _divide(g: jax.Array, by: Any) -> jax.Array:
+  wide = _tree.wide_dtype(g.dtype)
+  return (_tree.widen(g) / jnp.asarray(by, jnp.float32).astype(wide)).astype(g.dtype)
+
+
 class KerasLossScale:
   """TensorFlow's loss scale around a Keras optimizer: ``init``, ``update``, ``step``.
 
@@ -97,14 +102,19 @@ class KerasLossScale:
     return _tf_rule.initial_state(self.initial_scale, inner)
 
   def unscale(self, grads: Any, scale: jax.Array) -> Any:
-    """Keras 3 divides by the scale; tf_keras multiplies by its reciprocal."""
+    """Keras 3 divides by the scale; tf_keras multiplies by its reciprocal.
+
+    In at least float32 (Keras' ``ops.divide`` promotes a half gradient by a
+    float32 scale), back in the gradient's dtype, so that the check sees
+    what the formula, which casts to the variable's dtype, applies.
+    """
     _tree.array_leaves(grads)
     if self.spec.legacy:
       out = _core.unscale_tree(grads, scale)
     else:
-      out = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+      out = jax.tree.map(lambda g: _divide(g, scale), grads)
     if self.factor is not None:
-      out = jax.tree.map(lambda g: g / jnp.asarray(self.factor, g.dtype), out)
+      out = jax.tree.map(lambda g: _divide(g, self.factor), out)
     return out
 
   def step(
