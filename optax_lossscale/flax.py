@@ -130,14 +130,13 @@ class LossScaleTrainState(train_state.TrainState):
     if not self.has_loss_scale:
       if not extra:
         return super().apply_gradients(grads=grads, **kwargs)
+      # Flax's apply_gradients, with ``value`` bound into ``tx.update``.
       tx = optax.with_extra_args_support(self.tx)
-      updates, new_opt_state = tx.update(grads, self.opt_state, self.params, **extra)
-      return self.replace(
-        step=self.step + 1,
-        params=optax.apply_updates(self.params, updates),
-        opt_state=new_opt_state,
-        **kwargs,
+      bound = optax.GradientTransformation(
+        tx.init, lambda u, s, p=None: tx.update(u, s, p, **extra)
       )
+      plain = super(LossScaleTrainState, self.replace(tx=bound))
+      return plain.apply_gradients(grads=grads, **kwargs).replace(tx=self.tx)
     updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params, **extra)
     new_params = _overwrite.apply_overwrites(
       optax.apply_updates(self.params, updates), new_opt_state
