@@ -538,3 +538,27 @@ def test_a_fixed_scale_accepts_the_defaults_it_reports():
 def test_a_learning_rate_that_is_not_a_number_is_refused(lr):
   with pytest.raises(ValueError, match="learning_rate"):
     ols.LossScaleOptimizer({"class_name": "sgd", "config": {"learning_rate": lr}})
+
+
+def test_mixing_the_idioms_never_divides_twice():
+  params = {"w": jnp.ones(2)}
+  scaled = {"w": jnp.full(2, 8.0 * 3)}
+  sgd = {"class_name": "sgd", "config": {"learning_rate": 1.0}}
+  named = ols.LossScaleOptimizer(sgd, initial_scale=8.0)
+  state = named.init(params)
+  unscaled = named.get_unscaled_gradients(scaled, state)
+  u1, _ = named.update(unscaled, state, params)  # taken as unscaled
+  u2, _ = named.update(scaled, state, params)
+  new, _ = named.apply_gradients(unscaled, state, params)
+  chex.assert_trees_all_equal(u1, u2, {"w": jnp.full(2, -3.0)})
+  chex.assert_trees_all_equal(new, {"w": jnp.full(2, -2.0)})
+
+  plain = ols.LossScaleOptimizer(optax.sgd(1.0), initial_scale=8.0)
+  state = plain.init(params)
+  unscaled = plain.get_unscaled_gradients(scaled, state)
+  with pytest.raises(ValueError, match="unscaled by get_unscaled_gradients"):
+    plain.update(unscaled, state, params)
+  with pytest.raises(ValueError, match="apply_gradients"):
+    plain.apply_gradients(unscaled, state, params)
+  with pytest.raises(ValueError, match="iterations"):
+    plain.iterations(state)

@@ -41,13 +41,6 @@ DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
 DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
 
 
-def _positive_f32(name: str, value: Any) -> float:
-  out = _validate.as_f32(name, value)
-  if out <= 0:
-    raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
-  return out
-
-
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   """Keras' ``LossScaleOptimizer`` as an optax transformation.
 
@@ -82,18 +75,20 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       (default 2000); must be ``None`` when not ``dynamic``.
     dynamic: dynamic loss scaling (default). ``False`` keeps the scale fixed
       and applies every step, finite or not, as TensorFlow does.
-    weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema,
-      ema_momentum, ema_overwrite_frequency, loss_scale_factor,
-      gradient_accumulation_steps: Keras' base optimizer arguments, accepted
+    weight_decay: Keras' decoupled weight decay. It and the other base
+      optimizer arguments (``clipnorm``, ``clipvalue``, ``global_clipnorm``,
+      ``use_ema``, ``ema_momentum``, ``ema_overwrite_frequency``,
+      ``loss_scale_factor``, ``gradient_accumulation_steps``) are accepted
       here (TensorFlow's place) or in the inner optimizer's config (Keras
       3's): the same numbers either way.
     legacy_keras: tf_keras' formulas and base optimizer (``iterations``
       advanced by a skipped step, the EMA started from the initial weights);
       with a Keras name only.
-    min_scale, max_scale, hysteresis, track_nonfinite: the core's clamps,
-      hysteresis and non-finite record, for an optax transformation; with a
-      Keras name they build optax's optimizer of that name (optax's argument
-      names in its config) in the core's loss scale, not Keras' formulas.
+    min_scale: the core's floor, for an optax transformation. It,
+      ``max_scale``, ``hysteresis`` and ``track_nonfinite`` (the core's
+      ceiling, hysteresis and non-finite record) given with a Keras name
+      build optax's optimizer of that name (optax's argument names in its
+      config) in the core's loss scale, not Keras' formulas.
     axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
 
   Raises:
@@ -153,7 +148,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
           "`dynamic_growth_steps` must be None when `dynamic` is False, got "
           f"{dynamic_growth_steps!r}."
         )
-    initial_scale = _positive_f32("initial_scale", initial_scale)
+    initial_scale = _keras_config.positive_f32("initial_scale", initial_scale)
 
     base = {
       "weight_decay": weight_decay,
@@ -246,18 +241,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         track_nonfinite=track_nonfinite,
       )
 
-      def update(updates, state, params=None, **extra):
-        if isinstance(updates, _tf_step.UnscaledGradients):
-          raise ValueError(
-            "update() takes the gradients of the scaled loss, and these were "
-            "unscaled by get_unscaled_gradients(): dividing them again would "
-            "make the step the loss scale times too small. Pass the scaled "
-            "gradients to update(), or give the inner optimizer by its Keras "
-            "name and call apply_gradients(unscaled, state, params)."
-          )
-        return tx.update(updates, state, params, **extra)
-
-      self = super().__new__(cls, tx.init, update)
+      self = super().__new__(cls, tx.init, tx.update)
       self._keras = None
       self._inner = inner_optimizer
     self._loss_scale_factor = self_config["loss_scale_factor"]

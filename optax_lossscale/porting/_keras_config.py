@@ -23,6 +23,7 @@ __all__ = [
   "core_config",
   "inner_parts",
   "lso_kwargs",
+  "positive_f32",
   "set_inner",
   "validate_base",
 ]
@@ -223,3 +224,10 @@ def core_config(dynamic, initial, growth, min_scale, max_scale, hysteresis):
     max_scale=hi if max_scale is None else max_scale,
     hysteresis=1 if hysteresis is None else hysteresis,
   )
+
+
+def positive_f32(name: str, value: Any) -> float:
+  out = _validate.as_f32(name, value)
+  if out <= 0:
+    raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
+  return out

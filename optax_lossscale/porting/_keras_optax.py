@@ -19,6 +19,7 @@ from optax_lossscale._config import LossScaleConfig
 from optax_lossscale._low_precision import KahanSummationState, StochasticRoundingState
 from optax_lossscale._master import MasterWeights, master_weights
 from optax_lossscale.porting import _ema, _optimizers
+from optax_lossscale.porting._tf_step import UnscaledGradients
 
 __all__ = ["build"]
 
@@ -69,7 +70,8 @@ def build(
   axis_name: Any,
   track_nonfinite: bool,
 ) -> optax.GradientTransformationExtraArgs:
-  """The chain, innermost first, inside the core's loss scale (``config``)."""
+  """The chain, innermost first, inside the core's loss scale (``config``);
+  its ``update`` refuses gradients marked unscaled."""
   store = inner.store if isinstance(inner, MasterWeights) else None
   body = inner.inner if store is not None else inner
   after = [
@@ -96,10 +98,23 @@ def build(
     body = master_weights(body, store=store)
   # The factor is divided out with the loss scale, before the finite check,
   # so the check sees what is applied.
-  return _transform.loss_scale_transformation(
+  tx = _transform.loss_scale_transformation(
     body,
     config,
     axis_name=axis_name,
     factor=loss_scale_factor,
     track_nonfinite=track_nonfinite,
   )
+
+  def update(updates, state, params=None, **extra):
+    if isinstance(updates, UnscaledGradients):
+      raise ValueError(
+        "update() takes the gradients of the scaled loss, and these were "
+        "unscaled by get_unscaled_gradients(): dividing them again would "
+        "make the step the loss scale times too small. Pass the scaled "
+        "gradients to update(), or give the inner optimizer by its Keras "
+        "name and call apply_gradients(unscaled, state, params)."
+      )
+    return tx.update(updates, state, params, **extra)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
