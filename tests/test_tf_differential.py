@@ -184,6 +184,23 @@ def test_a_skipped_first_step(name):
   assert O.first_difference(legacy, O.run_tf_keras(cfg, params0, grads_seq)) is None
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_fixed_scale_applies_every_step_as_tf_keras(momentum):
+  """dynamic=False applies inf and NaN steps; tf_keras' SGD keeps a momentum
+  slot at momentum 0, where 0 * inf turns an applied inf into NaN: the same
+  NaN here."""
+  cfg = O.Config("sgd", (("momentum", momentum),), initial_scale=8.0, growth_steps=None)
+  params0, grads_seq = _data(4, kinds=["ok", "ok", "inf", "ok", "nan", "ok"])
+  ours = O.run_ours(cfg, params0, grads_seq, legacy=True, idiom="tf")
+  theirs = O.run_tf_keras(cfg, params0, grads_seq)
+  assert O.first_difference(ours, theirs) is None
+  assert [s.iterations for s in ours] == [1, 2, 3, 4, 5, 6]
+  # The step after the applied inf: 0 * inf in the slot makes it NaN at
+  # momentum 0 (an infinite weight otherwise).
+  after = [np.isnan(p).any() for p in ours[3].params]
+  assert any(after) == (momentum == 0.0)
+
+
 def test_fused_multiply_add_difference():
   """The one difference of arithmetic: Keras 3 NaN, ours finite, at the 1e38 step."""
   cfg = CONFIGS["rmsprop centered, momentum"]

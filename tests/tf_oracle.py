@@ -43,7 +43,7 @@ class Config:
   hyper: tuple = ()  # the formula's own arguments, (name, value) pairs
   base: tuple = ()  # base optimizer arguments, (name, value) pairs
   initial_scale: float = 2.0**15
-  growth_steps: int = 2000
+  growth_steps: int | None = 2000  # None: a fixed scale (dynamic=False)
 
   def kwargs(self):
     return dict(self.hyper) | dict(self.base)
@@ -97,7 +97,10 @@ def run_tf_keras(cfg: Config, params0, grads_seq) -> list[Step]:
   cls = getattr(tf_keras.optimizers, _CLASSES[cfg.optimizer])
   inner = cls(**cfg.kwargs())
   opt = tf_keras.mixed_precision.LossScaleOptimizer(
-    inner, initial_scale=cfg.initial_scale, dynamic_growth_steps=cfg.growth_steps
+    inner,
+    dynamic=cfg.growth_steps is not None,
+    initial_scale=cfg.initial_scale,
+    dynamic_growth_steps=cfg.growth_steps,
   )
   out = []
   for grads in grads_seq:
@@ -109,7 +112,7 @@ def run_tf_keras(cfg: Config, params0, grads_seq) -> list[Step]:
     out.append(
       Step(
         float(opt.loss_scale.numpy()),
-        int(opt.dynamic_counter.numpy()),
+        -1 if opt.dynamic_counter is None else int(opt.dynamic_counter.numpy()),
         int(opt.iterations.numpy()),
         [np.asarray(v.numpy()) for v in variables],
         ema,
@@ -134,6 +137,7 @@ def run_ours(
     {"class_name": cfg.optimizer, "config": cfg.kwargs()},
     initial_scale=cfg.initial_scale,
     dynamic_growth_steps=cfg.growth_steps,
+    dynamic=cfg.growth_steps is not None,
     legacy_keras=legacy,
   )
   params = [jnp.asarray(p) for p in params0]
@@ -157,7 +161,7 @@ def run_ours(
     out.append(
       Step(
         float(opt.loss_scale(state)),
-        int(opt.dynamic_counter(state)),
+        -1 if opt.dynamic_counter(state) is None else int(opt.dynamic_counter(state)),
         int(opt.iterations(state)),
         [np.asarray(p) for p in params],
         ema,
