@@ -22,8 +22,8 @@ and the earlier main example's MLP on scikit-learn's digits
 (``examples/train_digits.py``). Reported: final validation loss and accuracy
 (computed in float32 from the stored parameters) and their gaps to float32,
 per seed and averaged; bytes per parameter (parameters + optimizer state);
-the update step's time and XLA "bytes accessed" on ``bench.py``'s 8.4M
-parameter workload. Writes ``--out`` (markdown) and a PNG of the loss curves.
+the update step's time and XLA "bytes accessed" on the update-step workload
+(8.4M parameters). Writes ``--out`` (markdown) and a PNG of the loss curves.
 
 Run:  python benchmarks/bf16_params.py [--quick] [--out PATH]   (see --help)
 """
@@ -32,21 +32,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
+import _workloads as w
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _harness import machine_line, measure_many, tree_bytes
+from _tasks import lm_task, mlp_task
+
+import optax_lossscale as ols
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
-
-import bench  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-import train_digits  # noqa: E402
-import train_lm  # noqa: E402
-
-import optax_lossscale as ols  # noqa: E402
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 
@@ -84,10 +82,6 @@ def optimizer(name, lr, seed, params):
     else ols.kahan_summation()
   )
   return optax.chain(adam, last), (adam_state, last.init(params))
-
-
-def tree_bytes(tree):
-  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
 
 
 def train(name, params, batches, loss_fn, evaluate, lr, seed):
@@ -172,50 +166,6 @@ def second_moment_in(dtype, nu, grads, b2=0.999):
   return float(underflow), float(stagnant), float(jnp.median(rel))
 
 
-def lm_task(steps, seed):
-  """The main example's transformer (computing in bfloat16) and its data."""
-  train_text, val_text, *_ = train_lm.load_text(0.1)
-  encode = train_lm.make_tokenizer(train_text, 256)
-  tokens, _ = encode(train_text)
-  val, _ = encode(val_text)
-  context = 128
-  windows, val_idx = train_lm.sample(
-    tokens, val, steps=steps, batch=24, context=context, eval_sequences=64, seed=seed
-  )
-  batches = [(w,) for w in windows]
-  val_tokens = val[val_idx]
-  model = train_lm.Transformer(2, 128, 4, context, 256, jnp.bfloat16)
-  params = model.init(jax.random.key(seed), batches[0][0][:, :-1])["params"]
-  loss_fn = lambda p, t: train_lm.loss_fn(model, p, t)
-
-  @jax.jit
-  def evaluate(p):
-    logits = model.apply({"params": p}, val_tokens[:, :-1]).astype(F32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, val_tokens[:, 1:])
-    return loss.mean(), jnp.mean(jnp.argmax(logits, -1) == val_tokens[:, 1:])
-
-  return model, params, batches, loss_fn, evaluate
-
-
-def mlp_task(steps, seed):
-  """The earlier main example's MLP on the digits (computing in bfloat16)."""
-  x_train, x_test, y_train, y_test = train_digits.load_data(seed)
-  model = train_digits.MLP(dtype=jnp.bfloat16)
-  params = model.init(jax.random.key(seed), x_train[:1])["params"]
-  rng = np.random.default_rng(seed)
-  idx = rng.integers(0, len(x_train), (steps, 64))
-  batches = [(x_train[i], y_train[i]) for i in idx]
-  loss_fn = lambda p, x, y: train_digits.loss_fn(model, p, x, y)
-
-  @jax.jit
-  def evaluate(p):
-    logits = model.apply({"params": p}, x_test).astype(F32)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean()
-    return loss, jnp.mean(jnp.argmax(logits, -1) == y_test)
-
-  return model, params, batches, loss_fn, evaluate
-
-
 def compare(task, steps, seeds, lr):
   """``{config: [result per seed]}`` for one task, the second-moment losses,
   and per seed the first training step whose loss differs between the two
@@ -253,9 +203,9 @@ def compare(task, steps, seeds, lr):
 
 
 def update_costs(calls, rounds):
-  """The update step of each configuration on bench.py's 8.4M parameters."""
-  params32 = bench.layers()
-  grads = bench.grads_like(jax.tree.map(lambda p: p.astype(BF16), params32))
+  """The update step of each configuration on the update-step workload."""
+  params32 = w.layers()
+  grads = w.grads_like(jax.tree.map(lambda p: p.astype(BF16), params32))
   entries = []
   for name in CONFIGS:
     params = jax.tree.map(lambda p, n=name: p.astype(CONFIGS[n][0]), params32)
@@ -267,7 +217,7 @@ def update_costs(calls, rounds):
       return optax.apply_updates(p, u), s
 
     entries.append((step, (params, state), grads))
-  results = bench.measure_many(entries, calls, rounds=rounds)
+  results = measure_many(entries, calls, rounds=rounds)
   return dict(zip(CONFIGS, results, strict=True))
 
 
@@ -405,8 +355,9 @@ def main(argv=None):
     costs = update_costs(args.calls, 1 if args.quick else 3)
     ref, nearest = costs["float32"], costs["bf16 nearest"]
     parts += [
-      "Update step (Adam + the rounding, bench.py's 8.4M parameters in 64 "
-      "leaves, gradients in bfloat16; smallest of the rounds' medians):",
+      "Update step (Adam + the rounding, the update-step workload: 8.4M "
+      "parameters in 64 leaves, gradients in bfloat16; smallest of the "
+      "rounds' medians):",
       "\n".join(
         [
           "| parameters | update step (ms) | time vs float32 | bytes accessed (MB) | "
@@ -421,7 +372,7 @@ def main(argv=None):
         ]
       ),
     ]
-  parts.append(f"Machine: {jax.devices()[0].device_kind}, jax {jax.__version__}.")
+  parts.append(f"Machine: {machine_line()}.")
   report = "\n\n".join(parts)
   with open(args.out, "w") as f:
     f.write(report + "\n")

@@ -12,29 +12,26 @@ operands as they came and quantises them again, so it keeps no extra
 copies across the step; its temporaries are the quantised and dequantised
 operands of the GEMM being computed.
 
-Run:  python benchmarks/block_memory.py [--batch 32] [--context 128]
+Run:  python benchmarks/block_memory.py [--batch 32] [--context 128] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "examples")]
+import _tasks  # noqa: F401  (puts examples/ on the path)
+import jax
+import jax.numpy as jnp
+import optax
+import train_lm
+from _harness import machine_line, memory, table, write_report
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-import train_lm  # noqa: E402
-
-import optax_lossscale as ols  # noqa: E402
+import optax_lossscale as ols
 
 MATMULS = {"bfloat16": None, "float8": "float8", "mxfp8": "mxfp8", "nvfp4": "nvfp4"}
 
 
-def memory(matmul, batch, context, layers=2, width=128, heads=4):
+def step_memory(matmul, batch, context, layers=2, width=128, heads=4):
   """XLA's memory analysis of the compiled train step, in bytes."""
   model = train_lm.Transformer(layers, width, heads, context, 256)
   tokens = jnp.zeros((batch, context + 1), jnp.int32)
@@ -55,34 +52,40 @@ def memory(matmul, batch, context, layers=2, width=128, heads=4):
     return optax.apply_updates(params, updates), state, value
 
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, tokens).compile()
-  m = compiled.memory_analysis()
-  return dict(
-    temp=m.temp_size_in_bytes,
-    arguments=m.argument_size_in_bytes,
-    outputs=m.output_size_in_bytes,
-  )
+  return memory(compiled)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--batch", type=int, default=32)
   p.add_argument("--context", type=int, default=128)
+  p.add_argument("--out", default=None, help="also write the Markdown here")
   args = p.parse_args(argv)
-  rows = {name: memory(m, args.batch, args.context) for name, m in MATMULS.items()}
+  rows = {name: step_memory(m, args.batch, args.context) for name, m in MATMULS.items()}
   ref = rows["bfloat16"]["temp"]
+  header = ["matmuls", "temporary (MB)", "vs bfloat16", "arguments (MB)"]
   lines = [
+    f"Machine: {machine_line()}.",
+    "",
     f"Train step of the transformer (batch {args.batch}, context {args.context}), "
     f"XLA's memory analysis on {jax.devices()[0].platform}, jax {jax.__version__}:",
     "",
-    "| matmuls | temporary (MB) | vs bfloat16 | arguments (MB) | outputs (MB) |",
-    "| --- | ---: | ---: | ---: | ---: |",
+    *table(
+      [*header, "outputs (MB)"],
+      [
+        [
+          name,
+          f"{r['temp'] / 1e6:.2f}",
+          f"{r['temp'] / ref:.2f}x",
+          f"{r['arguments'] / 1e6:.2f}",
+          f"{r['outputs'] / 1e6:.2f}",
+        ]
+        for name, r in rows.items()
+      ],
+      "lrrrr",
+    ),
   ]
-  for name, r in rows.items():
-    lines.append(
-      f"| {name} | {r['temp'] / 1e6:.2f} | {r['temp'] / ref:.2f}x | "
-      f"{r['arguments'] / 1e6:.2f} | {r['outputs'] / 1e6:.2f} |"
-    )
-  print("\n".join(lines))
+  write_report("\n".join(lines), args.out)
   return rows
 
 

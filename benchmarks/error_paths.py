@@ -8,19 +8,19 @@ then the leaves fetched and counted on the host), and ``nonfinite_report``
 of a 1000-leaf record. Each time is the median of ``--repeats`` calls after
 one warm-up call (so compilation is counted in "first call" only).
 
-Run:  python benchmarks/error_paths.py [--leaves 40 1000] [--repeats 5]
+Run:  python benchmarks/error_paths.py [--leaves 40 1000] [--repeats 5] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _harness import machine_line, table, timed, write_report
 
 import optax_lossscale as ols
 
@@ -32,19 +32,6 @@ def tree(n: int, seed: int = 0, first: int = 1) -> dict:
     f"leaf{i:04d}": jnp.asarray(rng.normal(size=(first + i,)), jnp.float32)
     for i in range(n)
   }
-
-
-def timed(fn, repeats):
-  """``(first call, median of the next calls)`` in seconds."""
-  t = time.perf_counter()
-  fn()
-  first = time.perf_counter() - t
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t)
-  return first, statistics.median(times)
 
 
 def guard_refuses(bad):
@@ -59,14 +46,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--leaves", type=int, nargs="+", default=[40, 1000])
   p.add_argument("--repeats", type=int, default=5)
+  p.add_argument("--out", default=None, help="also write the Markdown here")
   args = p.parse_args(argv)
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
-  print(
-    "| leaves | check_checkpoint, finite: first / next | one NaN, after the "
-    "finite tree: first / next | one NaN, cold (shapes never compiled) | "
-    "nonfinite_report: first / next |"
-  )
-  print("| ---: | ---: | ---: | ---: | ---: |")
+  rows = []
   for n in args.leaves:
     good = tree(n)
     bad = dict(good)
@@ -82,11 +64,26 @@ def main(argv=None):
     state = tx.init(good)
     _, state = jax.jit(tx.update)(bad, state, good)
     rep = timed(lambda state=state: ols.nonfinite_report(state), args.repeats)
-    print(
-      f"| {n} | {ok[0]:.3f} s / {ok[1] * 1e3:.1f} ms | {err[0]:.3f} s / "
-      f"{err[1] * 1e3:.1f} ms | {cold_s:.3f} s | {rep[0]:.3f} s / "
-      f"{rep[1] * 1e3:.1f} ms |"
+    rows.append(
+      [
+        n,
+        f"{ok[0]:.3f} s / {ok[1] * 1e3:.1f} ms",
+        f"{err[0]:.3f} s / {err[1] * 1e3:.1f} ms",
+        f"{cold_s:.3f} s",
+        f"{rep[0]:.3f} s / {rep[1] * 1e3:.1f} ms",
+      ]
     )
+  header = ["leaves", "check_checkpoint, finite: first / next"]
+  header += ["one NaN, after the finite tree: first / next"]
+  header += ["one NaN, cold (shapes never compiled)", "nonfinite_report: first / next"]
+  lines = [
+    f"Machine: {machine_line()}.",
+    "",
+    f"jax {jax.__version__} on {jax.devices()[0].platform}",
+    "",
+    *table(header, rows, "rrrrr"),
+  ]
+  write_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

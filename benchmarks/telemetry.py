@@ -1,15 +1,15 @@
 """What ``track_nonfinite=True`` costs: the update step with the record on and off.
 
-Measures, in one run, with ``bench.py``'s helpers (buffers donated, steps
+Measures, in one run, with the harness's timing (buffers donated, steps
 called in turn, smallest of 3 rounds' medians):
 
-* the update step of ``dynamic_loss_scale(optax.adam)`` on ``bench.py``'s
-  8.4M float32 parameters in 64 leaves, bare Adam, the loss scale without
-  and with the record, on finite gradients (and the step without the record
-  a second time, for the noise), and with the record on gradients holding a
-  NaN (the branch that writes it): XLA's "bytes accessed" (which counts the
-  branch as if it ran), its temporary memory, the median time and the
-  compile time;
+* the update step of ``dynamic_loss_scale(optax.adam)`` on the shared
+  workload's 8.4M float32 parameters in 64 leaves, bare Adam, the loss
+  scale without and with the record, on finite gradients (and the step
+  without the record a second time, for the noise), and with the record
+  on gradients holding a NaN (the branch that writes it): XLA's "bytes
+  accessed" (which counts the branch as if it ran), its temporary memory,
+  the median time and the compile time;
 * compile time by number of leaves: equal leaves (8M parameters split in
   1 to 4096) and leaves of distinct sizes (1, 2, ..., n), record off and on.
 
@@ -20,22 +20,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _workloads as w
+import jax
+import jax.numpy as jnp
+import optax
+from _harness import TIMING, machine_line, measure_many, write_report
 
-import bench  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import optax_lossscale as ols  # noqa: E402
+import optax_lossscale as ols
 
 
 def tracked(track):
   return ols.dynamic_loss_scale(
-    optax.adam(bench.LR), initial_scale=bench.SCALE, track_nonfinite=track
+    optax.adam(w.LR), initial_scale=w.SCALE, track_nonfinite=track
   )
 
 
@@ -47,27 +45,25 @@ def with_nan(grads):
 
 
 def step_costs(calls, n_layers=16, width=512):
-  params = bench.layers(n_layers, width)
-  grads = bench.grads_like(params)
-  on_nan = bench.ours(params, with_nan(grads), tracked(True))
+  params = w.layers(n_layers, width)
+  grads = w.grads_like(params)
+  on_nan = w.ours(params, with_nan(grads), tracked(True))
   entries = {
-    "adam": bench.bare_adam(params, grads),
-    "loss scale, record off": bench.ours(params, grads, tracked(False)),
-    "loss scale, record on": bench.ours(params, grads, tracked(True)),
+    "adam": w.bare_adam(params, grads),
+    "loss scale, record off": w.ours(params, grads, tracked(False)),
+    "loss scale, record on": w.ours(params, grads, tracked(True)),
     # A second instance of the step without the record: its ratio to the
     # first is the noise of the time column.
-    "loss scale, record off, again": bench.ours(params, grads, tracked(False)),
+    "loss scale, record off, again": w.ours(params, grads, tracked(False)),
     # `ours` scales the gradients given: the NaN stays a NaN.
     "record on, every step non-finite": on_nan,
   }
-  results = dict(
-    zip(entries, bench.measure_many(list(entries.values()), calls), strict=True)
-  )
+  results = dict(zip(entries, measure_many(list(entries.values()), calls), strict=True))
   n = sum(x.size for x in jax.tree.leaves(params))
   base = results["adam"]
   lines = [
     f"Update step on {n / 1e6:.1f}M float32 parameters in "
-    f"{len(jax.tree.leaves(params))} leaves. {bench.TIMING}",
+    f"{len(jax.tree.leaves(params))} leaves. {TIMING}",
     "",
     "| step | bytes accessed | vs adam | temp memory | time | vs adam | compile |",
     "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -137,12 +133,7 @@ def main(argv=None):
   else:
     _, step_lines = step_costs(args.calls)
     _, compile_lines = compile_times([1, 64, 1024, 4096], distinct=[256, 1024])
-  m = bench.machine()
-  env = (
-    f"{m['device']}; {m['cpu']}; Python {m['python']}; "
-    + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
-    + f"; commit {m['commit']}."
-  )
+  env = f"Machine: {machine_line()}."
   text = "\n".join(
     [
       env,
@@ -157,10 +148,7 @@ def main(argv=None):
       "",
     ]
   )
-  print(text)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    f.write(text)
+  write_report(text, args.out)
 
 
 if __name__ == "__main__":

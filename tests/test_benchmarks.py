@@ -1,9 +1,10 @@
-"""benchmarks/bench.py's measuring helpers and reference steps (no timing asserted)."""
+"""The benchmarks' harness, shared workload and reference steps (no timing asserted)."""
 
 import importlib
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -21,9 +22,22 @@ _BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 
 @pytest.fixture(scope="module")
 def bench():
+  """The harness's timing, the shared workload's steps and the train steps."""
   sys.path.insert(0, _BENCH)
   try:
-    yield importlib.import_module("bench")
+    harness, work, train = (
+      importlib.import_module(m) for m in ("_harness", "_workloads", "train_step")
+    )
+    yield types.SimpleNamespace(
+      measure_many=harness.measure_many,
+      layers=work.layers,
+      grads_like=work.grads_like,
+      bare_adam=work.bare_adam,
+      bare_adam_and_read=work.bare_adam_and_read,
+      ours=work.ours,
+      train_cases=train.train_cases,
+      train_entries=train.train_entries,
+    )
   finally:
     sys.path.remove(_BENCH)
 
@@ -248,3 +262,60 @@ def test_block_memory_benchmark_reports_each_matmul():
   rows = re.findall(r"^\| (\w+) \| ([\d.]+) \| ([\d.]+)x \|", out, re.M)
   assert [r[0] for r in rows] == ["bfloat16", "float8", "mxfp8", "nvfp4"], out
   assert float(rows[0][2]) == 1.0 and all(float(r[1]) > 0 for r in rows), out
+
+
+@pytest.fixture(scope="module")
+def run_all():
+  sys.path.insert(0, _BENCH)
+  try:
+    yield importlib.import_module("run_all")
+  finally:
+    sys.path.remove(_BENCH)
+
+
+def test_run_all_fills_each_block_and_keeps_the_text(run_all, tmp_path):
+  page = tmp_path / "page.md"
+  page.write_text(
+    "# Title\n\nprose\n<!-- run_all: header -->\nold header\n<!-- /run_all -->\n"
+    "between\n<!-- run_all: leaves -->\n| old | table |\n<!-- /run_all -->\nend\n"
+  )
+  run_all.fill(page, {"header": "Commit `abc`.", "leaves": "| new |", "x": "unused"})
+  assert page.read_text() == (
+    "# Title\n\nprose\n<!-- run_all: header -->\nCommit `abc`.\n<!-- /run_all -->\n"
+    "between\n<!-- run_all: leaves -->\n| new |\n<!-- /run_all -->\nend\n"
+  )
+
+
+@pytest.mark.parametrize(
+  "text",
+  ["no blocks at all\n", "<!-- run_all: not_run -->\nx\n<!-- /run_all -->\n"],
+  ids=["no blocks", "a key not run"],
+)
+def test_run_all_refuses_a_page_it_cannot_fill(run_all, tmp_path, text):
+  page = tmp_path / "page.md"
+  page.write_text(text)
+  with pytest.raises(SystemExit):
+    run_all.fill(page, {"header": "h"})
+  assert page.read_text() == text
+
+
+def test_run_all_checks_each_report_names_the_run_commit(run_all):
+  text = "Machine: cpu; 2 cores; jax 0.1; commit abc1234+.\n\n| a | b |\n"
+  assert run_all.strip_machine(text, "abc1234+") == "| a | b |"
+  with pytest.raises(RuntimeError, match="names commit abc1234"):
+    run_all.strip_machine(text, "def5678")
+  assert list(run_all.QUESTIONS) == [
+    "update_step",
+    "train_step",
+    "leaves",
+    "designs",
+    "telemetry",
+    "error_paths",
+    "block_memory",
+    "bf16_params",
+    "quantize_state",
+    "probes",
+    "gpu_report",
+  ]
+  for _, full, quick, _ in run_all.QUESTIONS.values():
+    assert os.path.isfile(os.path.join(_BENCH, full[0])) and quick[0] == full[0]

@@ -1,0 +1,257 @@
+"""Run every benchmark at one commit and write their tables under one header.
+
+Runs each question's script in its own process, one after the other, from
+this checkout, and writes ``OUT/<question>.md`` (each script's report),
+``OUT/<question>.log`` (what it printed) and ``OUT/tables.md``: a header
+with the commit, the date, the command, the machine and the versions, then
+each question's tables under its title with the command that made them. A
+script's own "Machine:" line is checked against the header (the same commit
+in every one) and left out of ``tables.md``.
+
+The questions, in order: the update step against its peers
+(``update_step.py``), the train step (``train_step.py``), leaves and compile
+time (``leaves.py``), the designs tried (``designs.py``), the record's cost
+(``telemetry.py``), error paths (``error_paths.py``), block-scaled memory
+(``block_memory.py``), low-precision parameters (``bf16_params.py``), the
+8-bit optimizer state (``quantize_state.py``), the probes (``probes.py``),
+and on a GPU the GPU report (``gpu_report.py``).
+
+``--write PATH`` then fills a Markdown file from the run: every block
+between ``<!-- run_all: KEY -->`` and ``<!-- /run_all -->`` is replaced by
+that question's tables (``header``: the run's header), the text around the
+blocks kept. With every table of ``BENCHMARKS.md`` in such a block, one
+command regenerates it whole at one commit::
+
+  python benchmarks/run_all.py --write BENCHMARKS.md
+
+A tree with uncommitted changes to tracked files is refused (its numbers
+would belong to no commit) unless ``--allow-dirty`` (which also notes,
+rather than refuses, a report made after HEAD moved); ``--quick`` runs each
+script's smoke options (numbers that mean nothing: never written with
+``--write``).
+
+Run:  python benchmarks/run_all.py [--quick] [--only KEYS] [--out DIR] [--write PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+#: key: (title, script and its arguments, the same for --quick, report kind).
+#: A "md" script writes its report to ``--out``; a "log" script's report is
+#: what it prints (shown as a code block).
+QUESTIONS = {
+  "update_step": (
+    "Update step",
+    ["update_step.py"],
+    ["update_step.py", "--quick"],
+    "md",
+  ),
+  "train_step": (
+    "Full train step",
+    ["train_step.py"],
+    ["train_step.py", "--quick"],
+    "md",
+  ),
+  "leaves": ("Leaves and compile time", ["leaves.py"], ["leaves.py", "--quick"], "md"),
+  "designs": ("Designs tried", ["designs.py"], ["designs.py", "--quick"], "md"),
+  "telemetry": (
+    "The record's cost",
+    ["telemetry.py"],
+    ["telemetry.py", "--quick"],
+    "md",
+  ),
+  "error_paths": (
+    "Error paths",
+    ["error_paths.py"],
+    ["error_paths.py", "--leaves", "5", "12", "--repeats", "1"],
+    "md",
+  ),
+  "block_memory": (
+    "Block-scaled memory",
+    ["block_memory.py"],
+    ["block_memory.py", "--batch", "2", "--context", "16"],
+    "md",
+  ),
+  "bf16_params": (
+    "Low-precision parameters",
+    ["bf16_params.py"],
+    ["bf16_params.py", "--quick"],
+    "md",
+  ),
+  "quantize_state": (
+    "8-bit optimizer state",
+    ["quantize_state.py"],
+    ["quantize_state.py", "--quick"],
+    "md",
+  ),
+  "probes": ("Probes", ["probes.py"], ["probes.py", "jitted"], "log"),
+  "gpu_report": ("GPU report", ["gpu_report.py"], ["gpu_report.py", "--small"], "md"),
+}
+#: Run only where the machine's first device is a GPU (unless named in --only).
+GPU_ONLY = {"gpu_report"}
+MACHINE_LINE = re.compile(r"^Machine: (.*)\.$", re.M)
+BLOCK = re.compile(r"(<!-- run_all: (\w+) -->\n)(.*?)(<!-- /run_all -->)", re.S)
+
+
+def run(cmd, log_path, timeout=None):
+  """Runs ``cmd`` in ROOT; its output to ``log_path``; the exit status."""
+  with open(log_path, "w") as log:
+    try:
+      return subprocess.run(
+        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+      ).returncode
+    except subprocess.TimeoutExpired:
+      log.write(f"\ntimed out after {timeout} s\n")
+      return "timed out"
+
+
+def git(*args):
+  return subprocess.run(
+    ["git", *args], cwd=ROOT, capture_output=True, text=True
+  ).stdout.strip()
+
+
+def machine():
+  """The harness's machine description, from a process of its own."""
+  out = subprocess.run(
+    [sys.executable, os.path.join(HERE, "_harness.py")],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def question(key, quick, out_dir, timeout):
+  """Runs one question's script; ``(command, report text, failure or None)``."""
+  _, full, small, kind = QUESTIONS[key]
+  args = small if quick else full
+  cmd = [sys.executable, os.path.join("benchmarks", args[0]), *args[1:]]
+  md_path = os.path.join(out_dir, f"{key}.md")
+  if kind == "md":
+    cmd += ["--out", md_path]
+  shown = " ".join(["python", *(shlex.quote(c) for c in cmd[1:])])
+  print(f"{key}: {shown}", flush=True)
+  t0 = time.perf_counter()
+  rc = run(cmd, os.path.join(out_dir, f"{key}.log"), timeout)
+  print(f"  exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
+  if rc != 0:
+    return shown, "", f"exit status {rc} (see {key}.log)"
+  if kind == "md":
+    with open(md_path) as f:
+      return shown, f.read(), None
+  with open(os.path.join(out_dir, f"{key}.log")) as f:
+    return shown, "```\n" + f.read().rstrip() + "\n```\n", None
+
+
+def strip_machine(text, commit):
+  """``text`` less its "Machine:" lines; raises if one names a commit other
+  than ``commit`` (None: no check)."""
+  for m in MACHINE_LINE.finditer(text):
+    named = re.search(r"commit (\S+?)(?:;|$)", m.group(1))
+    if commit and named and named.group(1) != commit:
+      raise RuntimeError(f"a report names commit {named.group(1)}, not {commit}")
+  return MACHINE_LINE.sub("", text).strip("\n")
+
+
+def fill(path, sections):
+  """Replaces each ``run_all`` block of the file at ``path``; raises on an
+  unknown key or a file without blocks."""
+  with open(path) as f:
+    text = f.read()
+  keys = [m.group(2) for m in BLOCK.finditer(text)]
+  unknown = sorted(set(keys) - set(sections))
+  if not keys or unknown:
+    raise SystemExit(f"{path}: no run_all blocks, or keys not run: {unknown}")
+  text = BLOCK.sub(
+    lambda m: m.group(1) + sections[m.group(2)] + "\n" + m.group(4), text
+  )
+  with open(path, "w") as f:
+    f.write(text)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="each script's smoke run")
+  p.add_argument("--only", default="", help="comma-separated keys (default: all)")
+  p.add_argument("--out", default=os.path.join(HERE, "out", "run_all"), help="folder")
+  p.add_argument("--write", default=None, help="fill this file's run_all blocks")
+  p.add_argument(
+    "--allow-dirty", action="store_true", help="run on uncommitted changes"
+  )
+  p.add_argument("--timeout", type=float, default=None, help="seconds per script")
+  args = p.parse_args(argv)
+  keys = [k for k in args.only.split(",") if k] or list(QUESTIONS)
+  unknown = sorted(set(keys) - set(QUESTIONS))
+  if unknown:
+    p.error(f"unknown keys {unknown}; choose from {list(QUESTIONS)}")
+  if args.write and args.quick:
+    p.error("--quick numbers mean nothing: not written with --write")
+  dirty = git("status", "--porcelain", "--untracked-files=no")
+  if dirty and not args.allow_dirty:
+    p.error(
+      "uncommitted changes to tracked files (--allow-dirty to run anyway):\n" + dirty
+    )
+  os.makedirs(args.out, exist_ok=True)
+  info = machine()
+  gpu = info["device"].startswith(("gpu", "cuda", "rocm"))
+  if not args.only and not gpu:
+    keys = [k for k in keys if k not in GPU_ONLY]
+  command = "python benchmarks/run_all.py " + " ".join(
+    shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+  )
+  date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+  header = [
+    f"Commit `{git('rev-parse', 'HEAD')}`"
+    + (" with uncommitted changes" if dirty else "")
+    + f", {date}; made by `{command.strip()}`"
+    + (" (--quick: smoke runs, the numbers mean nothing)" if args.quick else "")
+    + ".",
+    "",
+    f"Machine: {info['device']}; {info['cpu']}; Python {info['python']}.",
+    "",
+    "Versions: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items()) + ".",
+  ]
+  if not gpu:
+    header += ["", "No GPU: the GPU report is not run (`--only gpu_report` runs it)."]
+  sections = {"header": "\n".join(header)}
+  md = ["# Benchmarks", "", *header, ""]
+  failed = []
+  for key in keys:
+    shown, text, failure = question(key, args.quick, args.out, args.timeout)
+    if failure is None:
+      try:
+        text = strip_machine(text, info["commit"])
+      except RuntimeError as e:  # HEAD moved during the run
+        if not args.allow_dirty:
+          failure = str(e)
+        text = f"**note**: {e}.\n\n" + strip_machine(text, None)
+    body = f"**failed**: {failure}." if failure else text
+    if failure:
+      failed.append(key)
+    sections[key] = f"Made by `{shown}`.\n\n{body}"
+    md += [f"## {QUESTIONS[key][0]}", "", sections[key], ""]
+    with open(os.path.join(args.out, "tables.md"), "w") as f:
+      f.write("\n".join(md))
+  print(f"wrote {os.path.join(args.out, 'tables.md')}")
+  if failed:
+    sys.exit(f"failed: {', '.join(failed)}")
+  if args.write:
+    fill(args.write, sections)
+    print(f"filled {args.write}")
+
+
+if __name__ == "__main__":
+  main()
