@@ -19,6 +19,7 @@ from optax_lossscale import (
   _config,
   _finite,
   _guard,
+  _low_precision,
   _state,
   _telemetry,
   _tree,
@@ -62,7 +63,11 @@ def check_skipped_steps(
     params: optional, the parameters: when they hold NaN or inf, an update
       that was applied (its gradients finite) made them so, and the message
       says that the optimizer's update was not finite (Adam's moments in
-      float16, say), not that the model is; read only when raising.
+      float16, say), not that the model is; read only when raising. Without
+      them the message blames the model only when the state's non-finite
+      record shows that no update was ever applied; otherwise it names both
+      causes, and what the optimizer state shows (NaN or inf in it, float16
+      state).
 
   Raises:
     NonFiniteStepsError: the limit was reached; the message says whether the
@@ -88,7 +93,12 @@ def check_skipped_steps(
   consecutive, scale, total = (_replicated(v) for v in jax.device_get(values))
   if consecutive < limit:
     return
-  if scale <= min_scale:
+  # The record (when kept) is fetched only now, for the message.
+  record = _record(opt_state_or_diagnostics, required=False) if given_state else None
+  never_applied = record is not None and int(record.nonfinite_steps) == int(
+    record.steps
+  )
+  if scale <= min_scale and never_applied:
     cause = (
       f"The loss scale is at its floor ({scale:g} <= min_scale={min_scale:g}) "
       "and the gradients are still not finite: the model produces NaN or inf "
@@ -96,14 +106,25 @@ def check_skipped_steps(
       "learning rate that made the parameters diverge), not a float16 "
       "overflow that a smaller scale would fix."
     )
+  elif scale <= min_scale:
+    # Updates were applied (or no record says otherwise): they may have
+    # broken the parameters, which then make every gradient NaN. Without
+    # the parameters, the optimizer state is the evidence.
+    cause = (
+      f"The loss scale is at its floor ({scale:g} <= min_scale={min_scale:g}) "
+      "and the gradients are still not finite, not a float16 overflow that a "
+      "smaller scale would fix. Either the model produces NaN or inf at "
+      "every scale (a NaN input or label, log(0), a division by zero), or an "
+      "applied update made the parameters NaN or inf (a learning rate that "
+      "diverges, optimizer state in float16); pass params= to tell which."
+      + (_optimizer_suspects(opt_state_or_diagnostics) if given_state else "")
+    )
   else:
     cause = (
       f"The loss scale is {scale:g} and still backing off: the gradients "
       "overflow at every scale tried so far. If this persists down to "
       "min_scale, the model itself produces NaN or inf."
     )
-  # The record (when kept) is fetched only now, for the message.
-  record = _record(opt_state_or_diagnostics, required=False) if given_state else None
   bad_params = (
     [] if params is None else _guard.nonfinite_leaves(params, "check_skipped_steps")
   )
@@ -119,6 +140,43 @@ def check_skipped_steps(
     f"({total} skipped in total; limit max_consecutive_skips={limit}). {cause}"
     f"{where}"
   )
+
+
+def _optimizer_suspects(opt_state: Any) -> str:
+  """What the optimizer state shows against the optimizer (host-side), or "".
+
+  Leaves of the loss scale's ``inner_state`` that hold NaN or inf (an
+  applied update broke the state, and most likely the parameters it
+  updates), or that are float16 (state that under- and overflows; a
+  ``kahan_summation`` compensation is float16 by design and not counted).
+  """
+  inner = _tree.unwrap_variables(_state.find_loss_scale_state(opt_state).inner_state)
+  is_kahan = lambda x: isinstance(x, _low_precision.KahanSummationState)  # noqa: E731
+  inner = jax.tree.map(lambda x: None if is_kahan(x) else x, inner, is_leaf=is_kahan)
+  broken, half = [], []
+  for path, x in jax.tree_util.tree_flatten_with_path(inner)[0]:
+    if not _tree.is_float_array(x):
+      continue
+    if sum(_finite.count_nonfinite(x)):
+      broken.append(jax.tree_util.keystr(path))
+    if x.dtype == np.float16:
+      half.append(jax.tree_util.keystr(path))
+  text = ""
+  if broken:
+    text += (
+      f" The optimizer state itself is NaN or inf (at .inner_state{broken[0]}"
+      f"{', ...' if len(broken) > 1 else ''}): an applied update broke it, and "
+      "most likely the parameters it updates. Look at the optimizer, not "
+      "the model."
+    )
+  if half:
+    text += (
+      f" The optimizer keeps float16 state (at .inner_state{half[0]}"
+      f"{', ...' if len(half) > 1 else ''}), which under- and overflows: keep "
+      "it in float32 with dynamic_loss_scale(master_weights(optax.adam(...), "
+      "store='float32'))."
+    )
+  return text
 
 
 def _blame_parameters(bad: list[str], record: Any, has_master: bool) -> str:

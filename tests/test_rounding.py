@@ -639,6 +639,9 @@ def _train(step, params, state, steps, bad_steps):
   return params, state
 
 
+# float16 parameters with float16 optimizer state, on purpose (the warning
+# itself: tests/test_half_state.py).
+@pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @pytest.mark.standard_promotion  # optax's adam
 def test_a_skipped_step_changes_nothing_and_a_resumed_run_is_bit_identical():
   bad = {3, 7}
@@ -668,6 +671,9 @@ def test_a_skipped_step_changes_nothing_and_a_resumed_run_is_bit_identical():
   assert all(np.isfinite(np.asarray(p, F32)).all() for p in resumed[0].values())
 
 
+# float16 parameters with float16 optimizer state, on purpose (the warning
+# itself: tests/test_half_state.py).
+@pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @pytest.mark.standard_promotion
 def test_orbax_round_trip_of_the_state(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
@@ -689,6 +695,9 @@ def test_orbax_round_trip_of_the_state(tmp_path):
   assert_trees_bitwise_equal(after[0], after[1])
 
 
+# float16 parameters with float16 optimizer state, on purpose (the warning
+# itself: tests/test_half_state.py).
+@pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @pytest.mark.standard_promotion
 def test_a_donated_jit_gives_the_same_results():
   if versions.JAX < (0, 10):  # older XLAs may not reuse some donated buffers

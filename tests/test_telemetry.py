@@ -194,6 +194,9 @@ def test_a_nan_in_one_flax_leaf_is_named_by_its_path():
     ols.nonfinite_report(state, {"w": jnp.ones(1)})
 
 
+# float16 parameters with float16 optimizer state, on purpose (the warning
+# itself: tests/test_half_state.py).
+@pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @standard_promotion
 def test_the_per_leaf_reductions_run_only_in_the_nonfinite_branch():
   """In the compiled step: no reduction added outside the conditional."""

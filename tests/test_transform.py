@@ -30,6 +30,9 @@ def _update(tx, jit):
   return jax.jit(tx.update) if jit else tx.update
 
 
+# float16 parameters with float16 optimizer state, on purpose (the warning
+# itself: tests/test_half_state.py).
+@pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_finite_step_equals_inner_on_unscaled_grads(dtype, jit):
@@ -52,6 +55,9 @@ def test_finite_step_equals_inner_on_unscaled_grads(dtype, jit):
   assert int(state.good_steps) == 1 and int(state.skipped_steps) == 0
 
 
+# float16 parameters with float16 optimizer state, on purpose (the warning
+# itself: tests/test_half_state.py).
+@pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @pytest.mark.standard_promotion  # optax's adam / schedules
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("dtype", FLOATS)
