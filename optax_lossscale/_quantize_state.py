@@ -163,7 +163,16 @@ _DECADES = np.float32(10.0) ** np.arange(-7, 0, dtype=np.float32)  # 1e-7 ... 0.
 _TO_UNIT = np.array([10.0 ** (6 - i) for i in range(7)], np.float32)
 
 
-def _nearest_code(s: jax.Array, signed: jax.Array, thresholds: jax.Array) -> jax.Array:
+def _lookup(table: np.ndarray, idx: jax.Array) -> jax.Array:
+  """``table[idx]`` for a small constant table, in ``idx``'s sharding (under
+  explicit sharding a gather must be told where its result lies)."""
+  table = jnp.asarray(table)
+  if _tree.explicit_spec(idx) is None:
+    return table[idx]
+  return table.at[idx].get(out_sharding=jax.typeof(idx).sharding)
+
+
+def _nearest_code(s: jax.Array, signed: jax.Array, thresholds: np.ndarray) -> jax.Array:
   """The index of the nearest value of the map (signed or not) to ``s`` in
   [-1, 1], from the map's structure and two of its thresholds.
 
@@ -179,14 +188,14 @@ def _nearest_code(s: jax.Array, signed: jax.Array, thresholds: jax.Array) -> jax
   decade = sum((a >= t).astype(jnp.int32) for t in _DECADES)  # 0: below 1e-7
   i = jnp.maximum(decade - 1, 0)
   n = jnp.left_shift(1, i + u)
-  cell = jnp.floor((a * jnp.asarray(_TO_UNIT)[i] - 0.1) * n.astype(_F32) / 0.9)
+  cell = jnp.floor((a * _lookup(_TO_UNIT, i) - 0.1) * n.astype(_F32) / 0.9)
   cell = jnp.clip(cell.astype(jnp.int32), 0, n - 1)
   rank = jnp.where(decade > 0, 1 + (jnp.left_shift(1, i + u) - (1 << u)) + cell, 0)
   zero = jnp.where(signed, 127, 0)
   c = jnp.where(s < 0, zero - rank, zero + rank)
   base = jnp.where(signed, 0, 256)
-  up = thresholds[base + c] <= s
-  down = (c > 0) & (thresholds[base + jnp.maximum(c - 1, 0)] > s)
+  up = _lookup(thresholds, base + c) <= s
+  down = (c > 0) & (_lookup(thresholds, base + jnp.maximum(c - 1, 0)) > s)
   return c + up.astype(jnp.int32) - down.astype(jnp.int32)
 
 
@@ -204,7 +213,7 @@ def _encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
   absmax = jnp.max(mag, axis=-1, keepdims=True)
   inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0).astype(_F32)
   s = jnp.clip(b * inv, -1.0, 1.0)
-  idx = _nearest_code(s, signed, jnp.asarray(thresholds))
+  idx = _nearest_code(s, signed, thresholds)
   codes = idx.astype(jnp.uint8).reshape(*x.shape[:k], -1)
   codes = codes[..., : math.prod(x.shape[k:])].reshape(x.shape)
   scales = jnp.where(signed, -absmax, absmax)[..., 0]
@@ -214,10 +223,10 @@ def _encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
 def _decode(q: QuantizedLeaf) -> jax.Array:
   """float32 values of ``q``'s codes in the maps its scales' signs select
   (squared for an unsigned block stored as square roots)."""
-  code = jnp.asarray(_tables()[0])
+  code = _tables()[0]
   c, k = _blocked(q.codes.astype(jnp.int32), q.block_size)
   unsigned = (q.scales >= 0)[..., None]
-  v = code[jnp.where(unsigned, 256, 0) + c] * jnp.abs(q.scales)[..., None]
+  v = _lookup(code, jnp.where(unsigned, 256, 0) + c) * jnp.abs(q.scales)[..., None]
   if q.sqrt:
     v = jnp.where(unsigned, v * v, v)
   v = v.reshape(*q.codes.shape[:k], -1)[..., : math.prod(q.codes.shape[k:])]

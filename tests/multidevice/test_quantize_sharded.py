@@ -1,0 +1,156 @@
+"""quantize_state on 8 devices: Auto and Explicit meshes give one device's bits.
+
+Runs in its own process, with 8 simulated CPU devices:
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/multidevice
+
+``dynamic_loss_scale(quantize_state(adam))`` is trained under ``jax.jit``
+with donated buffers on given gradients, a non-finite step included, with
+leaves sharded by rows, by columns (each device's columns whole blocks), as
+a vector, and a small float32 leaf replicated (not quantised). The
+parameters and the whole state (codes, scales) must equal an unsharded
+run's bit for bit; the codes keep the parameters' sharding, so no block
+straddles two devices; the skipped step changes nothing.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import versions
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_lossscale as ols
+
+N = 8
+if jax.device_count() < N:
+  pytest.skip(
+    f"needs {N} devices: XLA_FLAGS=--xla_force_host_platform_device_count={N}",
+    allow_module_level=True,
+  )
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam, apply_updates
+
+STEPS = 4
+BAD_STEP = 2
+SPECS = {  # name: (shape, sharding)
+  "rows": ((4 * N, 512), P("data", None)),
+  "cols": ((16, 256 * N), P(None, "data")),
+  "vec": ((512 * N,), P("data")),
+  "small": ((7,), P()),
+}
+
+
+def init_params():
+  rng = np.random.default_rng(0)
+  return {
+    k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, (s, _) in SPECS.items()
+  }
+
+
+def grads(step):
+  rng = np.random.default_rng(100 + step)
+  out = {}
+  for k, (shape, _) in SPECS.items():
+    g = rng.normal(size=shape) * 10.0 ** rng.uniform(-6, 0, shape) * 2.0**10
+    if step == BAD_STEP and k == "vec":
+      g[512 + 1] = np.nan  # on the second device's shard
+    out[k] = jnp.asarray(g, jnp.float32)
+  return out
+
+
+@functools.cache
+def run(mode, store_sqrt=False, loss_scale=True):
+  tx = ols.quantize_state(optax.adam(1e-2), min_size=1024, store_sqrt=store_sqrt)
+  if loss_scale:
+    tx = ols.dynamic_loss_scale(tx, initial_scale=2.0**10)
+  params = init_params()
+  step_grads = [grads(t) for t in range(STEPS)]
+  if mode is None:
+    return _train(tx, params, step_grads, None)
+  axis = getattr(jax.sharding.AxisType, mode.capitalize())
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(axis,))
+  shardings = {k: NamedSharding(mesh, s) for k, (_, s) in SPECS.items()}
+  params = jax.device_put(params, shardings)
+  step_grads = [jax.device_put(g, shardings) for g in step_grads]
+  with jax.set_mesh(mesh):
+    return _train(tx, params, step_grads, shardings)
+
+
+def _train(tx, params, step_grads, shardings):
+  kwargs = {} if shardings is None else {"out_shardings": (shardings, None)}
+
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
+  step = jax.jit(step, donate_argnums=(0, 1), **kwargs)
+  state = jax.jit(tx.init)(params)
+  history = []
+  for g in step_grads:
+    params, state = step(params, state, g)
+    if shardings is not None:
+      adam = state.inner_state if isinstance(state, ols.LossScaleState) else state
+      adam = adam.inner_state[0]
+      for k in ("rows", "cols", "vec"):
+        for moment in (adam.mu[k], adam.nu[k]):
+          assert isinstance(moment, ols.QuantizedLeaf)
+          # the codes lie as the parameter does: each device its own blocks
+          ndim = len(SPECS[k][0])
+          assert moment.codes.sharding.is_equivalent_to(params[k].sharding, ndim)
+    history.append(jax.device_get((params, state)))
+  return history
+
+
+def assert_bitwise_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+MODES = ["auto", pytest.param("explicit", marks=versions.explicit_sharding)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+  "store_sqrt",
+  [
+    False,
+    pytest.param(
+      True,
+      marks=pytest.mark.xfail(
+        strict=True,
+        reason="under a loss scale, with square roots stored and blocks along "
+        "the sharded axis ('cols'), about 5% of the parameters differ from one "
+        "device's by one unit in the last place",
+      ),
+    ),
+  ],
+)
+def test_sharded_equals_one_device_bit_for_bit(mode, store_sqrt):
+  sharded, one = run(mode, store_sqrt), run(None, store_sqrt)
+  assert_bitwise_equal(sharded, one)
+  start = init_params()
+  params, state = sharded[-1]
+  assert int(state.skipped_steps) == 1
+  for k, p in params.items():  # every leaf trained and stayed finite
+    assert not np.array_equal(p, start[k]), k
+    assert np.isfinite(p).all(), k
+  # the skipped step changed nothing: parameters, the quantised state
+  before, after = sharded[BAD_STEP - 1], sharded[BAD_STEP]
+  assert_bitwise_equal(after[0], before[0])
+  assert_bitwise_equal(after[1].inner_state, before[1].inner_state)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_square_roots_without_a_loss_scale_equal_one_device(mode):
+  sharded = run(mode, store_sqrt=True, loss_scale=False)
+  one = run(None, store_sqrt=True, loss_scale=False)
+  # the step before the NaN gradients (which make NaN parameters)
+  assert_bitwise_equal(sharded[:BAD_STEP], one[:BAD_STEP])
