@@ -43,15 +43,15 @@ from optax_lossscale._autocast_rules import Rules, is_float
 
 
 def _is_static(x: Any) -> bool:
-  """A leaf passed as it is, not traced: a bool, a string, any non-number.
+  """A leaf passed as it is, not traced: anything but a JAX or NumPy array.
 
-  ``jax.jit`` would need ``static_argnums`` for these (a Flax
-  ``apply(..., train=True)``); Python ints, floats and complex numbers are
-  traced, weakly typed, as ``jax.jit`` traces them.
+  As ``equinox.filter_jit`` splits a model: Python numbers, bools, strings
+  and functions are the function's constants (a Flax ``apply(...,
+  train=True)``, an Equinox dropout rate that a layer tests in Python), where
+  ``jax.jit`` would need ``static_argnums`` for them. A new Python number is
+  a new signature: pass a value that changes from call to call as an array.
   """
-  if isinstance(x, bool):
-    return True
-  return not isinstance(x, (int, float, complex, jax.Array, np.ndarray, np.generic))
+  return not isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
 def _merge(static: tuple, arrays: Any) -> list:
@@ -93,8 +93,9 @@ def autocast(
   accumulates and returns float32 itself: attention's logits before the
   softmax never exist in half, so they cannot overflow. Every spelling of a
   square runs by the rule of ``square``. Literals, weakly-typed values and
-  0-d scalars follow the other inputs. Arguments that are not numbers or
-  arrays (bools, strings) are static; like ``jax.jit``, the result is traced
+  0-d scalars follow the other inputs. Arguments that are not JAX or NumPy
+  arrays (bools, strings, functions, Python numbers) are static, as
+  ``equinox.filter_jit`` keeps them; like ``jax.jit``, the result is traced
   and compiled once per input signature.
 
   Flax NNX state is kept: every NNX module, ``Rngs`` or ``Variable`` among

@@ -301,7 +301,7 @@ def test_every_spelling_of_a_square_runs_in_float32(spelling):
   assert squares == [jnp.float32], squares
 
 
-def test_bool_and_string_arguments_are_static_numbers_are_traced():
+def test_non_array_arguments_are_static_arrays_are_traced():
   seen = []
 
   def f(x, scale, *, train, mode):
@@ -317,9 +317,15 @@ def test_bool_and_string_arguments_are_static_numbers_are_traced():
   np.testing.assert_allclose(fast(x, 2.0, train=False, mode="tanh"), 2.0 * x)
   out = jax.jit(lambda x: fast(x, 0.5, train=True, mode="id"))(x)
   np.testing.assert_allclose(out, 0.5 * x)
-  # A float is traced, not a static value: a new one is no new trace.
+  # A Python number is a constant, as eqx.filter_jit keeps it (an Equinox
+  # layer tests its dropout rate in Python): a new one is a new trace, with
+  # its own value. An array is traced: a new value is no new trace.
   n = len(seen)
-  fast(x, 0.25, train=True, mode="tanh")
+  np.testing.assert_allclose(fast(x, 0.25, train=False, mode="tanh"), 0.25 * x)
+  assert len(seen) == n + 1
+  fast(jnp.full(3, 2.0), np.float32(0.25), train=False, mode="tanh")
+  n = len(seen)
+  fast(jnp.full(3, 5.0), np.float32(0.75), train=False, mode="tanh")
   assert len(seen) == n
 
 

@@ -196,3 +196,35 @@ def test_autocast_on_an_equinox_module(eqx):
     np.testing.assert_allclose(
       g / SCALE, r, rtol=0.05, atol=2e-3 * float(jnp.max(jnp.abs(r)))
     )
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25])
+def test_autocast_on_equinox_attention_keeps_its_python_numbers(eqx, dropout_p):
+  # eqx.nn.Dropout tests its rate in Python (`p == 0` skips it); autocast keeps
+  # Python numbers as constants, as eqx.filter_jit does, so the rate is not a
+  # tracer and inference mode needs no key.
+  attention = eqx.nn.MultiheadAttention(
+    2, 8, dropout_p=dropout_p, key=jax.random.key(0)
+  )
+  x = jax.random.normal(jax.random.key(1), (5, 8))
+  f = lambda m, x: jnp.sum(m(x, x, x, inference=dropout_p > 0) ** 2)  # noqa: E731
+  fast = ols.autocast(f, compute_dtype=jnp.float16)
+  np.testing.assert_allclose(
+    float(fast(attention, x)), float(f(attention, x)), rtol=1e-2
+  )
+  loss, grads = eqx.filter_jit(ols.value_and_grad(fast))(_state(), attention, x)
+  assert grads.dropout.p is None and grads.query_proj.weight.dtype == jnp.float32
+  np.testing.assert_allclose(float(loss), float(f(attention, x)), rtol=1e-2)
+
+
+def test_autocast_keeps_python_numbers_as_constants():
+  scaled = ols.autocast(
+    lambda x, s, flag: x * s if flag else x, compute_dtype=jnp.float16
+  )
+  x = jnp.ones(3)
+  for s in (2.0, 3, 0.5):  # a new number: a new signature, its own value
+    np.testing.assert_array_equal(scaled(x, s, True), np.full(3, s, np.float32))
+  np.testing.assert_array_equal(scaled(x, 2.0, False), np.ones(3, np.float32))
+  # Arrays (JAX and NumPy, scalars included) are traced, as before.
+  jaxpr = jax.make_jaxpr(lambda s: scaled(x, s, True))(jnp.float32(2.0))
+  assert len(jaxpr.jaxpr.invars) == 1
