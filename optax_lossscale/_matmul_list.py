@@ -43,7 +43,8 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
   Args:
     fun: a function made by :func:`~optax_lossscale.autocast` (its
       compute dtype and recipe), or any function (its matmuls as written).
-    *args, **kwargs: its arguments (arrays, or ``jax.ShapeDtypeStruct``).
+    *args: its positional arguments (arrays, or ``jax.ShapeDtypeStruct``).
+    **kwargs: its keyword arguments, likewise.
 
   Returns:
     A list of ``Matmul`` named tuples: ``path``, the module path
