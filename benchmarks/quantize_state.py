@@ -153,7 +153,7 @@ def update_costs(calls, rounds):
     entries.append((step, (params, state), grads))
   results = bench.measure_many(entries, calls, rounds=rounds)
   rows = [
-    f"Update step on {n:,} parameters in {len(params32)} leaves:",
+    f"Update step on {n:,} parameters in {len(jax.tree.leaves(params32))} leaves:",
     "",
     "| setup | params + state, bytes/param | bytes accessed | vs float32 Adam "
     "| temporary memory | time | vs float32 Adam |",
