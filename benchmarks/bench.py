@@ -32,22 +32,7 @@ import designs
 import leaves
 import train_step
 import update_step
-
-# Until gpu_report.py and quantize_state.py import from the question scripts.
-from _harness import (
-  machine,
-  measure_many,  # noqa: F401, I001
-)
-from _workloads import LR, SCALE, grads_like, layers  # noqa: F401
-from train_step import loss_entries, train_cases, train_steps  # noqa: F401
-from update_step import (  # noqa: F401
-  UPDATE_STEPS,
-  flax_dynamic_scale,
-  headline,
-  jmp_select_tree,
-  keras_adam,
-  keras_loss_scale,
-)
+from _harness import machine
 
 SECTIONS = "headline,dtypes,leaves,distinct,train,designs,finite"
 

@@ -9,8 +9,8 @@ Three sections:
   and for bfloat16 parameters under ``master_weights(store="remainder")``
   around each;
 * ``train``: the main example's transformer and the digits MLP
-  (``bf16_params.py``'s tasks: the same data, batches and models, computing
-  in bfloat16), three seeds, final validation loss of float32 Adam, of
+  (``_tasks.py``, as in ``bf16_params.py``: the same data, batches and
+  models, computing in bfloat16), three seeds, final validation loss of float32 Adam, of
   float32 parameters + 8-bit Adam, and of bfloat16 parameters +
   ``master_weights(store="remainder")`` + 8-bit Adam, with the bytes per
   parameter of each (parameters, masters, moments, scales);
@@ -28,20 +28,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
+import _workloads as w
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _harness import measure_many, tree_bytes
+from _tasks import lm_task, mlp_task
+
+import optax_lossscale as ols
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.join(HERE, "..", "examples")]
-
-import bench  # noqa: E402
-import bf16_params  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-import optax_lossscale as ols  # noqa: E402
 
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 
@@ -67,10 +66,6 @@ COST_CONFIGS = {
 }
 
 
-def state_bytes(tree):
-  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
-
-
 def train(name, params, batches, loss_fn, evaluate, lr):
   """One configuration's run: final validation loss/accuracy, bytes/param."""
   dtype, make = CONFIGS[name]
@@ -91,8 +86,8 @@ def train(name, params, batches, loss_fn, evaluate, lr):
   return dict(
     loss=float(loss),
     acc=float(acc),
-    params=state_bytes(params) / n,
-    state=state_bytes(state) / n,
+    params=tree_bytes(params) / n,
+    state=tree_bytes(state) / n,
     final=(params, state),
   )
 
@@ -135,15 +130,15 @@ def train_table(results, ref="float32 Adam"):
 
 def update_costs(calls, rounds):
   """The update step of each configuration on bench.py's 8.4M parameters."""
-  params32 = bench.layers()
+  params32 = w.layers()
   n = sum(p.size for p in jax.tree.leaves(params32))
-  grads = bench.grads_like(params32)
+  grads = w.grads_like(params32)
   entries, bytes_ = [], []
   for dtype, make in COST_CONFIGS.values():
     params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
-    tx = make(bench.LR)
+    tx = make(w.LR)
     state = tx.init(params)
-    bytes_.append((state_bytes(params) / n, state_bytes(state) / n))
+    bytes_.append((tree_bytes(params) / n, tree_bytes(state) / n))
 
     def step(carry, g, tx=tx):
       p, s = carry
@@ -151,7 +146,7 @@ def update_costs(calls, rounds):
       return optax.apply_updates(p, u), s
 
     entries.append((step, (params, state), grads))
-  results = bench.measure_many(entries, calls, rounds=rounds)
+  results = measure_many(entries, calls, rounds=rounds)
   rows = [
     f"Update step on {n:,} parameters in {len(jax.tree.leaves(params32))} leaves:",
     "",
@@ -179,7 +174,7 @@ def _roundtrip(x, root):
 
 def nu_storage(steps, lr, eps=1e-8):
   """Adam's step factor 1/(sqrt(nu)+eps) after quantising nu two ways."""
-  _, params, batches, loss_fn, evaluate = bf16_params.lm_task(steps, 0)
+  _, params, batches, loss_fn, evaluate = lm_task(steps, 0)
   r = train("float32 Adam", params, batches, loss_fn, evaluate, lr)
   nu = [x for x in jax.tree.leaves(r["final"][1][0].nu) if x.size >= 4096]
   rows = [
@@ -240,7 +235,7 @@ def main(argv=None):
     models = args.models.split(",")
     if "mlp" in models:
       print("MLP:", flush=True)
-      mlp = compare(bf16_params.mlp_task, args.mlp_steps, seeds, args.mlp_lr)
+      mlp = compare(mlp_task, args.mlp_steps, seeds, args.mlp_lr)
       parts += [
         f"MLP ({args.mlp_steps} steps, learning rate {args.mlp_lr}, seeds "
         f"0-{args.seeds - 1}; test set of the digits):",
@@ -249,7 +244,7 @@ def main(argv=None):
       print("\n\n".join(parts[-2:]), flush=True)
     if "lm" in models:
       print("transformer:", flush=True)
-      lm = compare(bf16_params.lm_task, args.lm_steps, seeds, args.lm_lr)
+      lm = compare(lm_task, args.lm_steps, seeds, args.lm_lr)
       parts += [
         f"Transformer ({args.lm_steps} steps, learning rate {args.lm_lr}, seeds "
         f"0-{args.seeds - 1}; validation loss in nats per byte):",
