@@ -140,10 +140,10 @@ def question(key, quick, out_dir, timeout):
   args = small if quick else full
   cmd = [sys.executable, os.path.join("benchmarks", args[0]), *args[1:]]
   md_path = os.path.join(out_dir, f"{key}.md")
+  shown = " ".join(["python", *(shlex.quote(c) for c in cmd[1:])])
   if kind == "md":
     cmd += ["--out", md_path]
-  shown = " ".join(["python", *(shlex.quote(c) for c in cmd[1:])])
-  print(f"{key}: {shown}", flush=True)
+  print(f"{key}: {shown}" + (f" --out {md_path}" if kind == "md" else ""), flush=True)
   t0 = time.perf_counter()
   rc = run(cmd, os.path.join(out_dir, f"{key}.log"), timeout)
   print(f"  exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
