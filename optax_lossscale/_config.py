@@ -59,6 +59,13 @@ class LossScaleConfig:
     dynamic: whether the scale ever changes.
     skip_nonfinite: whether a step with non-finite gradients is skipped.
     noop: the scale is 1 and nothing is unscaled or checked.
+    bounds: how the bounds apply to a dynamic scale. ``"clamp"`` (the
+      default): every new scale is clipped to ``[min_scale, max_scale]``.
+      ``"tensorflow"``: TensorFlow's rule: the scale grows only where the
+      grown value is a finite float32 (no other ceiling), a backoff divides
+      by ``growth_factor`` and floors at 1, and nothing else moves the
+      scale, so any positive finite initial scale is kept until it grows or
+      backs off; a fixed scale keeps the state's scale and counter.
   """
 
   initial_scale: float = DEFAULT_INITIAL_SCALE
@@ -71,6 +78,7 @@ class LossScaleConfig:
   dynamic: bool = True
   skip_nonfinite: bool = True
   noop: bool = False
+  bounds: str = "clamp"
 
 
 def dynamic_config(

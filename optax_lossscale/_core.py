@@ -270,12 +270,16 @@ def adjust(
   ``finite`` says whether the gradients that ``state.loss_scale`` produced
   were all finite. Only the counter fields change (``inner_state`` is left
   as it is); everything is ``jnp.where``, with no branch and no host sync.
-  The new scale always lies in ``[min_scale, max_scale]``, and a fixed scale
-  is the configuration's: a state restored from another configuration
+  Under ``config.bounds == "clamp"`` (the default) the new scale always
+  lies in ``[min_scale, max_scale]``, and a fixed scale is the
+  configuration's: a state restored from another configuration
   comes into line at its first update (which still unscales with the
   state's scale, the one its gradients were computed with). That update is
   applied when :func:`check` finds it finite, which it does not where the
-  state's scale is below 1 and the configuration's scales are not.
+  state's scale is below 1 and the configuration's scales are not. Under
+  ``"tensorflow"`` it is TensorFlow's rule (``LossScaleConfig.bounds``):
+  growth only to a finite float32, a backoff to ``max(scale /
+  growth_factor, 1)``, no clamp.
 
   Returns:
     ``(new state, should_apply)``: whether this step's update is applied.
@@ -285,6 +289,7 @@ def adjust(
   should_apply = finite if config.skip_nonfinite else jnp.array(True)
   if config.noop:
     return s, should_apply
+  tensorflow = config.bounds == "tensorflow"
   if config.dynamic:
     good = s.good_steps + 1
     grow = jnp.logical_and(finite, good >= config.growth_interval)
@@ -292,18 +297,31 @@ def adjust(
     # decrement, and the int32 can never wrap around.
     hyst_after_bad = jnp.maximum(s.hysteresis_left - 1, 0)
     back_off = jnp.logical_and(jnp.logical_not(finite), hyst_after_bad <= 0)
-    scale = jnp.where(
-      grow,
-      s.loss_scale * config.growth_factor,
-      jnp.where(back_off, s.loss_scale * config.backoff_factor, s.loss_scale),
-    )
-    # Clamped every step, so that a state restored under other bounds comes
-    # into them at its first update.
-    scale = jnp.clip(scale, config.min_scale, config.max_scale).astype(_F32)
+    grown = s.loss_scale * config.growth_factor
+    if tensorflow:
+      # TensorFlow's bounds: growth kept only while finite, a backoff
+      # divided by the multiplier and floored at 1, nothing clipped.
+      grown = jnp.where(jnp.isfinite(grown), grown, s.loss_scale)
+      backed_off = jnp.maximum(s.loss_scale / config.growth_factor, 1.0)
+    else:
+      backed_off = s.loss_scale * config.backoff_factor
+    scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, s.loss_scale))
+    if not tensorflow:
+      # Clamped every step, so that a state restored under other bounds
+      # comes into them at its first update.
+      scale = jnp.clip(scale, config.min_scale, config.max_scale)
+    scale = scale.astype(_F32)
     good_steps = jnp.where(finite & ~grow, good, 0).astype(_I32)
     hysteresis_left = jnp.where(
       grow, config.hysteresis, jnp.where(finite, s.hysteresis_left, hyst_after_bad)
     ).astype(_I32)
+  elif tensorflow:
+    # TensorFlow's fixed scale: the state's scale and counter stay.
+    scale, good_steps, hysteresis_left = (
+      s.loss_scale,
+      s.good_steps,
+      s.hysteresis_left,
+    )
   else:
     # A fixed scale is the configuration's, whatever the state held (one
     # restored from a run with another scale): from this update on.

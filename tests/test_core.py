@@ -1,5 +1,7 @@
 """The functional core: finite check, unscale, the adjust rule, the classes."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -436,3 +438,41 @@ def test_the_config_holds_the_float32_numbers_it_computes_with():
   c = ols.DynamicLossScale(growth_factor=1 + 2.0**-20, backoff_factor=0.1).config
   assert c.growth_factor == float(np.float32(1 + 2.0**-20)) > 1
   assert c.backoff_factor == float(np.float32(0.1))
+
+
+_F32MAX_POW2 = 2.0**127
+# (case, growth_factor, scale, finite, the next scale by TensorFlow's rule)
+TENSORFLOW_BOUNDS = [
+  ("grows below 1", 2.0, 0.25, True, np.float32(0.25) * np.float32(2.0)),
+  ("backs off from below 1 to 1", 2.0, 0.25, False, 1.0),
+  ("backs off to no less than 1", 2.0, 1.5, False, 1.0),
+  ("backs off by the factor", 4.0, 2.0**10, False, 2.0**8),
+  ("grows past the clamp", 2.0, 2.0**24, True, 2.0**25),
+  ("stays where growth overflows", 2.0, _F32MAX_POW2, True, _F32MAX_POW2),
+]
+
+
+@pytest.mark.parametrize(
+  "case, factor, scale, finite, expected",
+  TENSORFLOW_BOUNDS,
+  ids=[c[0] for c in TENSORFLOW_BOUNDS],
+)
+def test_adjust_with_tensorflow_bounds(case, factor, scale, finite, expected):
+  config = ols.LossScaleConfig(
+    initial_scale=1.0,
+    growth_interval=1,
+    growth_factor=factor,
+    backoff_factor=float(np.float32(1.0 / factor)),
+    min_scale=1.0,
+    max_scale=2.0**24,
+    bounds="tensorflow",
+  )
+  state = _core.initial_state(config)._replace(
+    loss_scale=jnp.asarray(scale, jnp.float32)
+  )
+  new, apply = jax.jit(_core.adjust, static_argnums=2)(state, finite, config)
+  assert float(new.loss_scale) == float(expected)
+  assert bool(apply) == finite
+  # The default clamps the same step into [min_scale, max_scale].
+  clamped = _core.adjust(state, finite, dataclasses.replace(config, bounds="clamp"))
+  assert 1.0 <= float(clamped[0].loss_scale) <= 2.0**24

@@ -562,3 +562,21 @@ def test_mixing_the_idioms_never_divides_twice():
     plain.apply_gradients(unscaled, state, params)
   with pytest.raises(ValueError, match="iterations"):
     plain.iterations(state)
+
+
+def test_get_unscaled_gradients_chooses_float32_leaf_by_leaf_as_update():
+  """Only the leaves a master_weights state keeps float32 masters of come
+  back in float32, as ``update`` hands them to the inner optimizer."""
+  inner = optax.multi_transform(
+    {"master": ols.master_weights(optax.sgd(1.0)), "plain": optax.sgd(1.0)},
+    {"a": "master", "b": "plain"},
+  )
+  opt = ols.LossScaleOptimizer(inner, initial_scale=8.0)
+  params = {"a": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)}
+  state = opt.init(params)
+  grads = {"a": jnp.full(2, 24.0, jnp.bfloat16), "b": jnp.full(2, 40.0, jnp.bfloat16)}
+  unscaled = opt.get_unscaled_gradients(grads, state).tree
+  assert unscaled["a"].dtype == jnp.float32
+  assert unscaled["b"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(unscaled["a"], 3.0)
+  np.testing.assert_array_equal(unscaled["b"], 5.0)

@@ -134,3 +134,25 @@ def test_the_check_reads_the_unscaled_gradients_only_when_scales_can_be_below_1(
   assert bool(_core.check(scaled, unscaled, default, loss_scale=1.0))
   assert not bool(_core.check(scaled, unscaled, default, loss_scale=0.25))
   assert not bool(_core.check({}, {}, default, loss_scale=0.25))
+
+
+@pytest.mark.parametrize(
+  "make, into",
+  [
+    (lambda: ols.DynamicLossScale(), 1.0),
+    (lambda: ols.DynamicLossScale(min_scale=4.0), 4.0),
+    (lambda: ols.StaticLossScale(8.0), 8.0),
+  ],
+  ids=["dynamic", "dynamic min_scale=4", "static"],
+)
+def test_a_loss_scale_object_restored_below_1_is_skipped_and_brought_in(make, into):
+  """``unscale_and_update`` decides as the transformations: a state scale
+  below 1 under scales of 1 or more skips the step, whose scaled gradients
+  are finite but overflow float16 when unscaled."""
+  ls = make()
+  ls = ls.replace(ls.counters._replace(loss_scale=jnp.asarray(0.25, F32)))
+  grads = {"w": jnp.array([30000.0, 1.0], F16)}
+  _, new, should_apply = jax.jit(lambda ls, g: ls.unscale_and_update(g))(ls, grads)
+  assert not bool(should_apply)
+  assert float(new.loss_scale) == into
+  assert int(new.skipped_steps) == 1

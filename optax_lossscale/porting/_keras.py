@@ -368,7 +368,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         _state.get_scale(state),
         self._loss_scale_factor,
         keep=_overwrite.mask_in(state),
-        float32=_state.wants_float32_gradients(state),
+        float32=_state.float32_gradient_leaves(state, grads),
       )
     )
 

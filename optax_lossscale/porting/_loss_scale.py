@@ -151,16 +151,11 @@ class LossScale:
   def adjust(self, finite: jax.Array) -> tuple[LossScale, jax.Array]:
     """The next loss scale given whether this step's gradients were finite.
 
-    TensorFlow's rule for a :class:`DynamicLossScale` made without the core's
-    clamps (a :class:`_tf_rule.TFRuleConfig`), the core's otherwise.
+    The core's rule under this object's configuration: TensorFlow's bounds
+    for a :class:`DynamicLossScale` made without the core's clamps (a
+    :class:`_tf_rule.TFRuleConfig`), the core's clamps otherwise.
     """
-    c = self._config
-    if isinstance(c, _tf_rule.TFRuleConfig):
-      state, should_apply = _tf_rule.tf_adjust(
-        self._state, finite, c.growth_interval, c.growth_factor
-      )
-    else:
-      state, should_apply = _core.adjust(self._state, finite, c)
+    state, should_apply = _core.adjust(self._state, finite, self._config)
     return self.replace(state), should_apply
 
   def update(self, grads: Any, *, axis_name: Any = None) -> tuple[LossScale, jax.Array]:
@@ -195,7 +190,13 @@ class LossScale:
     if self._config.noop:
       return scaled_grads, self, jnp.array(True)
     grads = _core.unscale_tree(scaled_grads, self._state.loss_scale)
-    finite = _core.check(scaled_grads, grads, self._config, axis_name)
+    finite = _core.check(
+      scaled_grads,
+      grads,
+      self._config,
+      axis_name,
+      loss_scale=self._state.loss_scale,
+    )
     new, should_apply = self.adjust(finite)
     return grads, new, should_apply
 

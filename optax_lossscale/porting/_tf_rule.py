@@ -8,8 +8,9 @@ step sets it to ``max(scale / multiplier, 1)``. There is no ceiling but
 float32's and no floor but 1, applied on a backoff only: a scale that starts
 below 1 grows from there and jumps to 1 at its first backoff. The core's
 rule (:func:`optax_lossscale._core.adjust`) clamps every change to
-``[min_scale, max_scale]`` instead; this is TensorFlow's, for the porting
-package.
+``[min_scale, max_scale]`` by default; TensorFlow's is its
+``bounds="tensorflow"`` configuration, which this module builds for the
+porting package.
 """
 
 from __future__ import annotations
@@ -17,83 +18,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import optax
-
 from optax_lossscale import _validate
 from optax_lossscale._config import LossScaleConfig
-from optax_lossscale._core import LossScaleState
 
-__all__ = ["TFRuleConfig", "config", "fixed_value", "initial_state", "tf_adjust"]
-
-_F32 = jnp.float32
-_I32 = jnp.int32
-
-
-def initial_state(scale: float, inner_state: Any = None) -> LossScaleState:
-  """A fresh state at ``scale`` (any positive finite float32 number)."""
-  return LossScaleState(
-    loss_scale=jnp.asarray(scale, _F32),
-    good_steps=jnp.zeros([], _I32),
-    hysteresis_left=jnp.ones([], _I32),
-    skipped_steps=jnp.zeros([], _I32),
-    consecutive_skips=jnp.zeros([], _I32),
-    inner_state=inner_state,
-  )
-
-
-def tf_adjust(
-  state: LossScaleState,
-  finite: Any,
-  growth_steps: int | None,
-  multiplier: float = 2.0,
-  *,
-  skip_nonfinite: bool = True,
-) -> tuple[LossScaleState, jax.Array]:
-  """The next state under TensorFlow's rule, and whether to apply the step.
-
-  Args:
-    state: the state whose scale produced this step's gradients.
-    finite: whether they were all finite (a bool scalar).
-    growth_steps: TensorFlow's ``increment_period``/``dynamic_growth_steps``;
-      ``None`` for a fixed scale (the scale and counter never change).
-    multiplier: the growth factor, whose reciprocal is the backoff.
-    skip_nonfinite: whether a non-finite step is skipped (a fixed scale in
-      TensorFlow applies every step).
-
-  Returns:
-    ``(new state, should_apply)``; ``inner_state`` is left as it is, the
-    skip counters are kept as the core keeps them.
-  """
-  finite = jnp.asarray(finite, jnp.bool_)
-  should_apply = finite if skip_nonfinite else jnp.array(True)
-  s = state
-  scale = s.loss_scale
-  good = s.good_steps
-  if growth_steps is not None:
-    m = jnp.asarray(multiplier, _F32)
-    grow = finite & (s.good_steps + 1 >= growth_steps)
-    grown = scale * m
-    backed_off = jnp.maximum(scale / m, jnp.ones([], _F32))
-    scale = jnp.where(
-      grow,
-      jnp.where(jnp.isfinite(grown), grown, scale),
-      jnp.where(finite, scale, backed_off),
-    ).astype(_F32)
-    good = jnp.where(finite & ~grow, s.good_steps + 1, 0).astype(_I32)
-  skipped = jnp.logical_not(should_apply)
-  new = s._replace(
-    loss_scale=scale,
-    good_steps=good,
-    skipped_steps=jnp.where(
-      skipped, optax.safe_increment(s.skipped_steps), s.skipped_steps
-    ),
-    consecutive_skips=jnp.where(
-      skipped, optax.safe_increment(s.consecutive_skips), 0
-    ).astype(_I32),
-  )
-  return new, should_apply
+__all__ = ["TFRuleConfig", "config", "fixed_value", "keras_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +33,11 @@ class TFRuleConfig(LossScaleConfig):
   initial_scale)`` and ``max_scale`` ``2**126``, what :func:`with_loss_scale`
   clamps to), its class says which rule :meth:`LossScale.adjust` runs:
   TensorFlow's (grow while the product is finite, back off to no less than
-  1) rather than the core's clamped one.
+  1) rather than the core's clamped one: ``bounds="tensorflow"``, which
+  :func:`optax_lossscale._core.adjust` reads.
   """
+
+  bounds: str = "tensorflow"
 
 
 def fixed_value(config: dict[str, Any]) -> float:
@@ -135,4 +66,20 @@ def config(kwargs: dict[str, Any]) -> TFRuleConfig:
     backoff_factor=_validate.as_f32("backoff_factor", 1.0 / multiplier),
     min_scale=min(1.0, initial),
     max_scale=max(hi, initial),
+  )
+
+
+def keras_config(initial_scale: float, growth_steps: int | None) -> TFRuleConfig:
+  """The configuration of tf_keras' and Keras' loss scale: multiplier 2,
+  ``growth_steps`` finite steps before growing, or ``None`` for a fixed
+  scale that applies every step (as TensorFlow's fixed scale does)."""
+  _, hi = _validate.SCALE_RANGE
+  dynamic = growth_steps is not None
+  return TFRuleConfig(
+    initial_scale=initial_scale,
+    growth_interval=growth_steps if dynamic else 1,
+    min_scale=min(1.0, initial_scale),
+    max_scale=max(hi, initial_scale),
+    dynamic=dynamic,
+    skip_nonfinite=dynamic,
   )

@@ -4,7 +4,8 @@
 optimizer given by its Keras name: its ``update`` takes the gradients of
 the scaled loss (optax's convention), its ``apply_gradients`` unscaled ones
 (TensorFlow's); both check the unscaled gradients, adjust the scale by
-TensorFlow's rule (:mod:`._tf_rule`) and run the Keras step
+TensorFlow's rule (the core's ``adjust`` under
+:func:`._tf_rule.keras_config`) and run the Keras step
 (:mod:`._keras_engine`) when they are finite. :class:`UnscaledGradients`
 marks what ``get_unscaled_gradients`` returns, so that ``update`` never
 divides it a second time.
@@ -96,10 +97,11 @@ class KerasLossScale:
     self.growth_steps = growth_steps
     self.factor = factor
     self.axis_name = axis_name
+    self.config = _tf_rule.keras_config(initial_scale, growth_steps)
 
   def init(self, params: Any) -> LossScaleState:
     inner = _keras_engine.init(self.spec, self.base, params)
-    return _tf_rule.initial_state(self.initial_scale, inner)
+    return _core.initial_state(self.config, inner)
 
   def unscale(self, grads: Any, scale: jax.Array) -> Any:
     """Keras 3 divides by the scale; tf_keras multiplies by its reciprocal.
@@ -147,12 +149,7 @@ class KerasLossScale:
     finite = _core.reduce_flag(
       _finite.leaves_finite(jax.tree.leaves(tree)), self.axis_name
     )
-    new_state, apply = _tf_rule.tf_adjust(
-      state,
-      finite,
-      self.growth_steps,
-      skip_nonfinite=self.growth_steps is not None,
-    )
+    new_state, apply = _core.adjust(state, finite, self.config)
     inner = state.inner_state
     new_params, new_inner = _keras_engine.step(
       self.spec, self.base, tree, inner, params
