@@ -10,12 +10,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import versions
 from jax import lax
 
 import optax_lossscale as ols
 
 BF16 = jnp.dtype(jnp.bfloat16)
-RECIPES = [None, "float8", "mxfp8", "nvfp4"]
+RECIPES = [
+  None,
+  "float8",
+  pytest.param("mxfp8", marks=versions.block_formats),
+  pytest.param("nvfp4", marks=versions.block_formats),
+]
 # 32 x 64 x 3744 = 119808: finite in bfloat16, above float16's 65504.
 A = jnp.full((2, 32), 64.0, jnp.float32)
 B = jnp.full((32, 2), 58.5, jnp.float32)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import versions
 
 import optax_lossscale as ols
 
@@ -71,8 +72,8 @@ COMPOSITIONS = [
   "chain",
   "multi_transform",
   "masked",
-  "MultiSteps inside",
-  "inject_hyperparams",
+  pytest.param("MultiSteps inside", marks=versions.multisteps_dtypes),
+  pytest.param("inject_hyperparams", marks=versions.inject_dtypes),
 ]
 KINDS = ["plain", "master_weights", "stochastic_rounding", "kahan"]
 
@@ -140,7 +141,12 @@ def test_a_state_keeps_its_dtypes_and_the_step_is_traced_once(composition, kind,
 
 
 @pytest.mark.parametrize(
-  "composition", ["multi_transform", "masked", "inject_hyperparams"]
+  "composition",
+  [
+    "multi_transform",
+    "masked",
+    pytest.param("inject_hyperparams", marks=versions.inject_dtypes),
+  ],
 )
 def test_only_the_master_weights_leaves_get_float32_gradients(composition):
   # 2**-30 is 0 in float16: the master leaf receives it unscaled in float32,

@@ -70,6 +70,26 @@ multisteps_dtypes = pytest.mark.skipif(
 )
 
 
+def _inject_hyperparams_keeps_dtypes():
+  import jax.numpy as jnp
+
+  params = {"b": jnp.ones(2, jnp.float16)}
+  tx = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+  with jax.numpy_dtype_promotion("standard"):  # optax's own code
+    state = tx.init(params)
+    _, new = tx.update({"b": jnp.ones(2, jnp.float32)}, state, params)
+  return jax.tree.map(lambda x: x.dtype, new) == jax.tree.map(lambda x: x.dtype, state)
+
+
+#: Older optax's inject_hyperparams keeps its hyper-parameters in the
+#: parameters' dtype at init and in the gradients' at update.
+inject_dtypes = pytest.mark.skipif(
+  not _inject_hyperparams_keeps_dtypes(),
+  reason=f"optax {optax.__version__}'s inject_hyperparams changes its state's "
+  "dtypes between init and update",
+)
+
+
 def _adam_refuses_none():
   import jax.numpy as jnp
   import optax
