@@ -80,6 +80,14 @@ class LossScaleConfig:
   noop: bool = False
   bounds: str = "clamp"
 
+  def __post_init__(self):
+    if self.bounds not in BOUNDS:
+      raise ValueError(f"`bounds` must be one of {BOUNDS}, got {self.bounds!r}.")
+
+
+#: How the bounds apply to a dynamic scale (:class:`LossScaleConfig`'s ``bounds``).
+BOUNDS = ("clamp", "tensorflow")
+
 
 def dynamic_config(
   initial_scale: float = DEFAULT_INITIAL_SCALE,

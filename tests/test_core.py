@@ -476,3 +476,9 @@ def test_adjust_with_tensorflow_bounds(case, factor, scale, finite, expected):
   # The default clamps the same step into [min_scale, max_scale].
   clamped = _core.adjust(state, finite, dataclasses.replace(config, bounds="clamp"))
   assert 1.0 <= float(clamped[0].loss_scale) <= 2.0**24
+
+
+@pytest.mark.parametrize("bounds", ["Clamp", "tf", "", None, 1])
+def test_a_config_with_unknown_bounds_is_refused(bounds):
+  with pytest.raises(ValueError, match="`bounds` must be one of"):
+    ols.LossScaleConfig(bounds=bounds)
