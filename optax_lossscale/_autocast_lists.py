@@ -83,8 +83,10 @@ INFER_LIST = frozenset(
     "stop_gradient",
   }
 )
-#: Pass the dtype through.
-CLEAR_LIST = frozenset(
+#: Primitives that only move values (a transpose, a reshape, a slice of a
+#: stacked layer): what :data:`CLEAR_LIST` passes through and what autocast's
+#: analyses see through to a function's inputs.
+LAYOUT_PRIMITIVES = frozenset(
   {
     "reshape",
     "transpose",
@@ -101,6 +103,11 @@ CLEAR_LIST = frozenset(
     "pad",
     "copy",
     "copy_p",
+  }
+)
+#: Pass the dtype through.
+CLEAR_LIST = LAYOUT_PRIMITIVES | frozenset(
+  {
     "reduce_max",
     "reduce_min",
     "argmax",

@@ -16,7 +16,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from optax_lossscale import _dtypes, _float8, _jaxpr
+from optax_lossscale import _autocast_lists, _dtypes, _float8, _jaxpr
 from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr
 
 __all__ = [
@@ -43,28 +43,8 @@ def is_float(dtype) -> bool:
 #: Primitives that move or convert values without computing new ones: a
 #: weight read through them (a transpose, a reshape, a cast, a slice of a
 #: stacked layer) is still the weight.
-MOVES = frozenset(
-  {
-    "reshape",
-    "transpose",
-    "slice",
-    "dynamic_slice",
-    "dynamic_update_slice",
-    "gather",
-    "concatenate",
-    "select_n",
-    "broadcast_in_dim",
-    "squeeze",
-    "expand_dims",
-    "rev",
-    "pad",
-    "copy",
-    "copy_p",
-    "convert_element_type",
-    "reduce_precision",
-    "sharding_constraint",
-    "device_put",
-  }
+MOVES = _autocast_lists.LAYOUT_PRIMITIVES | frozenset(
+  {"convert_element_type", "reduce_precision", "sharding_constraint", "device_put"}
 )
 
 
