@@ -250,6 +250,14 @@ class KahanSummationState(NamedTuple):
   compensation: Any
 
 
+def without_compensation(state: Any) -> Any:
+  """``state`` with every :class:`KahanSummationState` replaced by ``None``:
+  what is left holds the optimizer's own state, whose float16 leaves under-
+  and overflow (a Kahan compensation is float16 by design)."""
+  is_kahan = lambda x: isinstance(x, KahanSummationState)  # noqa: E731
+  return jax.tree.map(lambda x: None if is_kahan(x) else x, state, is_leaf=is_kahan)
+
+
 def kahan_summation() -> optax.GradientTransformation:
   """Rounds each bfloat16/float16 parameter to nearest and keeps what it lost.
 

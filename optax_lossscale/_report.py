@@ -151,8 +151,7 @@ def _optimizer_suspects(opt_state: Any) -> str:
   ``kahan_summation`` compensation is float16 by design and not counted).
   """
   inner = _tree.unwrap_variables(_state.find_loss_scale_state(opt_state).inner_state)
-  is_kahan = lambda x: isinstance(x, _low_precision.KahanSummationState)  # noqa: E731
-  inner = jax.tree.map(lambda x: None if is_kahan(x) else x, inner, is_leaf=is_kahan)
+  inner = _low_precision.without_compensation(inner)
   broken, half = [], []
   for path, x in jax.tree_util.tree_flatten_with_path(inner)[0]:
     if not _tree.is_float_array(x):

@@ -129,10 +129,7 @@ def _warn_half_state(params: Any, inner_state: Any) -> None:
   leaves = jax.tree.leaves(params, is_leaf=_tree.is_variable)
   if not any(getattr(_tree.unwrap(p), "dtype", None) == jnp.float16 for p in leaves):
     return
-  is_kahan = lambda x: isinstance(x, _low_precision.KahanSummationState)  # noqa: E731
-  scanned = jax.tree.map(
-    lambda x: None if is_kahan(x) else x, inner_state, is_leaf=is_kahan
-  )
+  scanned = _low_precision.without_compensation(inner_state)
   half = [
     jax.tree_util.keystr(path)
     for path, x in jax.tree_util.tree_flatten_with_path(
