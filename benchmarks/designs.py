@@ -24,7 +24,8 @@ from _workloads import LR, SCALE, bare_adam, grads_like, layers, ours, plain
 from jax import lax
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _skip
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import skip as _skip
 
 
 def _variant(inner, check, skip, **kwargs):

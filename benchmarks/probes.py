@@ -40,7 +40,8 @@ from jax import lax
 from leaves import per_leaf_check
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _skip
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import skip as _skip
 
 
 def _with_chunk(size):

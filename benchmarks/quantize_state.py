@@ -167,9 +167,9 @@ def update_costs(calls, rounds):
 
 def _roundtrip(x, root):
   """``x`` (>= 0) through one quantisation, stored as is or as its root."""
-  from optax_lossscale import _quantize_state as q
+  from optax_lossscale._params import quantize_state as q
 
-  return q._encode(x, 256, sqrt=root).dequantize()
+  return q.encode(x, 256, sqrt=root).dequantize()
 
 
 def nu_storage(steps, lr, eps=1e-8):

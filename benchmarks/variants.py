@@ -14,7 +14,8 @@ from typing import Any
 import jax
 import optax
 
-from optax_lossscale import _core, _skip
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import skip as _skip
 
 
 def unscale_and_check(scaled_grads, loss_scale, config, axis_name=None):

@@ -7,61 +7,77 @@ surface lives in the subpackage :mod:`optax_lossscale.porting`, above the
 core (which never imports it); its names are exported here too.
 """
 
-from optax_lossscale._autocast import autocast as autocast
-from optax_lossscale._autocast_lists import ALLOW_LIST as ALLOW_LIST
-from optax_lossscale._autocast_lists import CLEAR_LIST as CLEAR_LIST
-from optax_lossscale._autocast_lists import DENY_LIST as DENY_LIST
-from optax_lossscale._autocast_lists import INFER_LIST as INFER_LIST
-from optax_lossscale._block_matmul import MXFP8Matmul as MXFP8Matmul
-from optax_lossscale._block_matmul import NVFP4Matmul as NVFP4Matmul
-from optax_lossscale._block_scaled import BlockQuantized as BlockQuantized
-from optax_lossscale._block_scaled import block_quantize as block_quantize
-from optax_lossscale._config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
-from optax_lossscale._config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
-from optax_lossscale._config import LossScaleConfig as LossScaleConfig
-from optax_lossscale._core import LossScaleState as LossScaleState
-from optax_lossscale._core import unscale as unscale
-from optax_lossscale._finite import all_finite as all_finite
-from optax_lossscale._float8 import Float8Matmul as Float8Matmul
-from optax_lossscale._grad import scale_loss as scale_loss
-from optax_lossscale._grad import value_and_grad as value_and_grad
-from optax_lossscale._guard import check_checkpoint as check_checkpoint
-from optax_lossscale._low_precision import KahanSummationState as KahanSummationState
-from optax_lossscale._low_precision import (
-  StochasticRoundingState as StochasticRoundingState,
+from optax_lossscale._autocast.lists import ALLOW_LIST as ALLOW_LIST
+from optax_lossscale._autocast.lists import CLEAR_LIST as CLEAR_LIST
+from optax_lossscale._autocast.lists import DENY_LIST as DENY_LIST
+from optax_lossscale._autocast.lists import INFER_LIST as INFER_LIST
+from optax_lossscale._autocast.matmul_list import (
+  format_matmuls as format_matmuls,
 )
-from optax_lossscale._low_precision import kahan_summation as kahan_summation
-from optax_lossscale._low_precision import stochastic_rounding as stochastic_rounding
-from optax_lossscale._master import MasterWeights as MasterWeights
-from optax_lossscale._master import MasterWeightsState as MasterWeightsState
-from optax_lossscale._master import get_master_weights as get_master_weights
-from optax_lossscale._master import master_weights as master_weights
-from optax_lossscale._matmul_list import format_matmuls as format_matmuls
-from optax_lossscale._matmul_list import list_matmuls as list_matmuls
-from optax_lossscale._overwrite import apply_overwrites as apply_overwrites
-from optax_lossscale._policy import Policy as Policy
-from optax_lossscale._policy import default_half_dtype as default_half_dtype
-from optax_lossscale._policy import get_policy as get_policy
-from optax_lossscale._quantize_state import QuantizedLeaf as QuantizedLeaf
-from optax_lossscale._quantize_state import QuantizedState as QuantizedState
-from optax_lossscale._quantize_state import QuantizeState as QuantizeState
-from optax_lossscale._quantize_state import dequantize_state as dequantize_state
-from optax_lossscale._quantize_state import quantize_state as quantize_state
-from optax_lossscale._report import LeafReport as LeafReport
-from optax_lossscale._report import NonFiniteReport as NonFiniteReport
-from optax_lossscale._report import NonFiniteStepsError as NonFiniteStepsError
-from optax_lossscale._report import check_skipped_steps as check_skipped_steps
-from optax_lossscale._report import nonfinite_report as nonfinite_report
-from optax_lossscale._skip import SkipFallbackWarning as SkipFallbackWarning
-from optax_lossscale._state import (
+from optax_lossscale._autocast.matmul_list import list_matmuls as list_matmuls
+from optax_lossscale._autocast.policy import Policy as Policy
+from optax_lossscale._autocast.policy import (
+  default_half_dtype as default_half_dtype,
+)
+from optax_lossscale._autocast.policy import get_policy as get_policy
+from optax_lossscale._autocast.transform import autocast as autocast
+from optax_lossscale._loss_scale.config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
+from optax_lossscale._loss_scale.config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
+from optax_lossscale._loss_scale.config import LossScaleConfig as LossScaleConfig
+from optax_lossscale._loss_scale.core import LossScaleState as LossScaleState
+from optax_lossscale._loss_scale.core import unscale as unscale
+from optax_lossscale._loss_scale.finite import all_finite as all_finite
+from optax_lossscale._loss_scale.grad import scale_loss as scale_loss
+from optax_lossscale._loss_scale.grad import value_and_grad as value_and_grad
+from optax_lossscale._loss_scale.guard import check_checkpoint as check_checkpoint
+from optax_lossscale._loss_scale.overwrite import apply_overwrites as apply_overwrites
+from optax_lossscale._loss_scale.report import LeafReport as LeafReport
+from optax_lossscale._loss_scale.report import NonFiniteReport as NonFiniteReport
+from optax_lossscale._loss_scale.report import (
+  NonFiniteStepsError as NonFiniteStepsError,
+)
+from optax_lossscale._loss_scale.report import (
+  check_skipped_steps as check_skipped_steps,
+)
+from optax_lossscale._loss_scale.report import nonfinite_report as nonfinite_report
+from optax_lossscale._loss_scale.skip import SkipFallbackWarning as SkipFallbackWarning
+from optax_lossscale._loss_scale.state import (
   HalfPrecisionStateWarning as HalfPrecisionStateWarning,
 )
-from optax_lossscale._state import diagnostics as diagnostics
-from optax_lossscale._state import find_loss_scale_state as find_loss_scale_state
-from optax_lossscale._state import get_scale as get_scale
-from optax_lossscale._telemetry import NonFiniteRecord as NonFiniteRecord
-from optax_lossscale._transform import dynamic_loss_scale as dynamic_loss_scale
-from optax_lossscale._transform import static_loss_scale as static_loss_scale
+from optax_lossscale._loss_scale.state import diagnostics as diagnostics
+from optax_lossscale._loss_scale.state import (
+  find_loss_scale_state as find_loss_scale_state,
+)
+from optax_lossscale._loss_scale.state import get_scale as get_scale
+from optax_lossscale._loss_scale.telemetry import NonFiniteRecord as NonFiniteRecord
+from optax_lossscale._loss_scale.transform import (
+  dynamic_loss_scale as dynamic_loss_scale,
+)
+from optax_lossscale._loss_scale.transform import static_loss_scale as static_loss_scale
+from optax_lossscale._lowbit.block_matmul import MXFP8Matmul as MXFP8Matmul
+from optax_lossscale._lowbit.block_matmul import NVFP4Matmul as NVFP4Matmul
+from optax_lossscale._lowbit.block_scaled import BlockQuantized as BlockQuantized
+from optax_lossscale._lowbit.block_scaled import block_quantize as block_quantize
+from optax_lossscale._lowbit.float8 import Float8Matmul as Float8Matmul
+from optax_lossscale._params.low_precision import (
+  KahanSummationState as KahanSummationState,
+)
+from optax_lossscale._params.low_precision import (
+  StochasticRoundingState as StochasticRoundingState,
+)
+from optax_lossscale._params.low_precision import kahan_summation as kahan_summation
+from optax_lossscale._params.low_precision import (
+  stochastic_rounding as stochastic_rounding,
+)
+from optax_lossscale._params.master import MasterWeights as MasterWeights
+from optax_lossscale._params.master import MasterWeightsState as MasterWeightsState
+from optax_lossscale._params.master import get_master_weights as get_master_weights
+from optax_lossscale._params.master import master_weights as master_weights
+from optax_lossscale._params.quantize_state import QuantizedLeaf as QuantizedLeaf
+from optax_lossscale._params.quantize_state import QuantizedState as QuantizedState
+from optax_lossscale._params.quantize_state import QuantizeState as QuantizeState
+from optax_lossscale._params.quantize_state import dequantize_state as dequantize_state
+from optax_lossscale._params.quantize_state import quantize_state as quantize_state
 from optax_lossscale.porting import DynamicLossScale as DynamicLossScale
 from optax_lossscale.porting import EmaParamsState as EmaParamsState
 from optax_lossscale.porting import (

@@ -37,7 +37,12 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
-from optax_lossscale import _grad, _overwrite, _skip, _state, _telemetry, _tree
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import grad as _grad
+from optax_lossscale._loss_scale import overwrite as _overwrite
+from optax_lossscale._loss_scale import skip as _skip
+from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import telemetry as _telemetry
 
 __all__ = [
   "LossScaleTrainState",

@@ -22,7 +22,8 @@ from jax import lax
 from test_block_matmul import LAYOUTS, RECIPES, all_eqns, assert_close
 
 import optax_lossscale as ols
-from optax_lossscale import _block_gemm, _block_matmul
+from optax_lossscale._lowbit import block_gemm as _block_gemm
+from optax_lossscale._lowbit import block_matmul as _block_matmul
 
 pytestmark = versions.block_formats
 has_scaled_dot = pytest.mark.skipif(

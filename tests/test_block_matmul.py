@@ -21,7 +21,7 @@ import versions
 from test_block_scaled import ref_mxfp8, ref_nvfp4
 
 import optax_lossscale as ols
-from optax_lossscale import _block_matmul
+from optax_lossscale._lowbit import block_matmul as _block_matmul
 
 pytestmark = versions.block_formats
 

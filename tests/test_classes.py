@@ -495,10 +495,11 @@ import optax_lossscale as ols
 assert olf.LossScaleTrainState.create is not None and ols.get_scale is not None
 """,
   "the guard and autocast alone": """
-from optax_lossscale import _guard, _autocast
+from optax_lossscale._loss_scale import guard
+from optax_lossscale._autocast import transform
 import jax.numpy as jnp
-_guard.check_checkpoint({"w": jnp.ones(2)})
-fast = _autocast.autocast(jnp.sum, compute_dtype=jnp.float16)
+guard.check_checkpoint({"w": jnp.ones(2)})
+fast = transform.autocast(jnp.sum, compute_dtype=jnp.float16)
 assert float(fast(jnp.ones(3))) == 3.0
 """,
 }

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale import _core
+from optax_lossscale._loss_scale import core as _core
 
 FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32]
 

@@ -23,7 +23,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale import _tree
+from optax_lossscale._base import tree as _tree
 
 pytestmark = pytest.mark.standard_promotion  # optax's sgd on half updates
 

@@ -22,7 +22,8 @@ from flax import nnx  # noqa: E402
 from flax.linen import fp8_ops  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
-from optax_lossscale import _overwrite, _tree  # noqa: E402
+from optax_lossscale._base import tree as _tree  # noqa: E402
+from optax_lossscale._loss_scale import overwrite as _overwrite  # noqa: E402
 from optax_lossscale.flax import (  # noqa: E402
   LossScaleTrainState,
   is_overwrite_variable,

@@ -29,7 +29,7 @@ import pytest
 from jax import lax
 
 import optax_lossscale as ols
-from optax_lossscale import _float8
+from optax_lossscale._lowbit import float8 as _float8
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)

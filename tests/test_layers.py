@@ -1,7 +1,13 @@
-"""The import graph: the porting package sits above a core that never imports it.
+"""The import graph: subsystems in layers, each importing only those below it.
 
-Read from the sources (``import optax_lossscale`` itself imports every
-module, so only the source says which module needs which).
+From the bottom: ``_base`` (pytree, dtype, argument and jaxpr helpers), the
+loss scale (``_loss_scale``), the low-precision parameters (``_params``),
+the low-bit matmuls (``_lowbit``, whose quantisers round with ``_params``'
+rounding), autocast (``_autocast``, whose recipes run the low-bit matmuls),
+and on top the public modules: the package itself, ``optax_lossscale.flax``
+and the porting package. Read from the sources (``import optax_lossscale``
+itself imports every module, so only the source says which module needs
+which).
 """
 
 import ast
@@ -41,6 +47,17 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 GRAPH = {name: _imports(path) for name, path in MODULES.items()}
+
+# The layers from the bottom; a module may import its own layer and those below.
+LAYERS = ("_base", "_loss_scale", "_params", "_lowbit", "_autocast")
+TOP = len(LAYERS)
+
+
+def _layer(module: str) -> int:
+  parts = module.split(".")
+  return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else TOP
+
+
 CORE = sorted(m for m in GRAPH if m != "optax_lossscale" and not m.startswith(PORTING))
 
 
@@ -51,7 +68,10 @@ def _reaches_porting(deps: set[str]) -> list[str]:
 def test_the_graph_was_read():
   # The scan sees the modules the package is made of (a scan that found
   # nothing would pass every test below).
-  assert {"optax_lossscale._core", "optax_lossscale._transform"} <= set(CORE)
+  assert {
+    "optax_lossscale._loss_scale.core",
+    "optax_lossscale._loss_scale.transform",
+  } <= set(CORE)
   assert "optax_lossscale.porting._keras" in GRAPH
   assert _reaches_porting(GRAPH["optax_lossscale"])  # the re-exports
 
@@ -64,9 +84,87 @@ def test_no_core_module_imports_the_porting_package(module):
   )
 
 
-def test_the_tree_utilities_are_at_the_bottom():
-  deps = {d for d in GRAPH["optax_lossscale._tree"] if d in GRAPH}
-  assert not deps, deps
+def test_every_module_is_in_a_layer_or_public():
+  # A private module outside the subsystems' packages would escape the
+  # direction test below (it would count as the top layer).
+  for m in GRAPH:
+    parts = m.split(".")
+    if len(parts) > 1 and parts[1].startswith("_"):
+      assert parts[1] in LAYERS, f"{m} is in no layer: {LAYERS}"
+  for layer in LAYERS:
+    assert f"optax_lossscale.{layer}" in GRAPH, f"{layer} has no __init__"
+    assert sum(_layer(m) == LAYERS.index(layer) for m in CORE) > 1, layer
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_run_down_the_layers(module):
+  up = sorted(d for d in GRAPH[module] if d in GRAPH and _layer(d) > _layer(module))
+  assert not up, (
+    f"{module} (layer {_layer(module)}) imports {up} from a layer above it: "
+    f"the layers from the bottom are {LAYERS}, then the public modules."
+  )
+
+
+def test_the_direction_test_sees_an_upward_import(tmp_path):
+  # The check above, on a module that imports against the direction.
+  bad = tmp_path / "bad.py"
+  bad.write_text("from optax_lossscale._autocast import transform as _t\n")
+  deps = _imports(bad)
+  assert "optax_lossscale._autocast.transform" in deps
+  assert max(_layer(d) for d in deps) > _layer("optax_lossscale._loss_scale.core")
+
+
+def test_the_base_helpers_import_no_package_module():
+  for m in GRAPH:
+    if _layer(m) == 0:
+      deps = {d for d in GRAPH[m] if d in GRAPH}
+      assert not deps, (m, deps)
+
+
+def _private_names_from_elsewhere(path: pathlib.Path) -> list[str]:
+  """Underscore names ``path`` takes from another package module.
+
+  ``from m import _x`` where ``_x`` is not a module, and ``alias._x`` on a
+  module imported from the package. (A package's own private modules, such
+  as the porting package's, are modules, not names.)
+  """
+  tree = ast.parse(path.read_text())
+  aliases, out = set(), []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+      "optax_lossscale"
+    ):
+      for a in node.names:
+        if f"{node.module}.{a.name}" in MODULES:
+          aliases.add(a.asname or a.name)
+        elif a.name.startswith("_") and not a.name.startswith("__"):
+          out.append(f"from {node.module} import {a.name}")
+  for node in ast.walk(tree):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in aliases
+      and node.attr.startswith("_")
+      and not node.attr.startswith("__")
+    ):
+      out.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+  return out
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_private_name_is_taken_from_another_module(module):
+  taken = _private_names_from_elsewhere(MODULES[module])
+  assert not taken, f"{module} uses another module's private names: {taken}"
+
+
+def test_the_private_name_check_sees_both_forms(tmp_path):
+  bad = tmp_path / "bad.py"
+  bad.write_text(
+    "from optax_lossscale._params.low_precision import _helper\n"
+    "from optax_lossscale._base import tree as _tree\n"
+    "_tree._hidden(1)\n"
+  )
+  assert len(_private_names_from_elsewhere(bad)) == 2
 
 
 def test_the_core_graph_has_no_cycle():
@@ -100,3 +198,15 @@ def test_a_loss_scale_object_is_found_by_the_state_search():
   assert float(found.loss_scale) == 8.0 == float(ols.get_scale(ls))
   with pytest.raises(ValueError, match="Found 2 loss-scale states"):
     ols.get_scale([ls, ols.StaticLossScale(2.0)])
+
+
+def test_the_development_page_names_every_module():
+  page = (ROOT.parent / "docs" / "development.md").read_text()
+  missing = [
+    str(p.relative_to(ROOT))
+    for p in MODULES.values()
+    if p.name != "__init__.py" and p.name not in page
+  ]
+  assert not missing, f"docs/development.md does not name {missing}"
+  for layer in LAYERS:
+    assert f"`{layer}/" in page or f"  {layer}" in page, layer

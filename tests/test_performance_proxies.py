@@ -19,7 +19,10 @@ import versions
 from xla_costs import check_scratch
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _core, _finite, _skip
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import finite as _finite
+from optax_lossscale._loss_scale import skip as _skip
 
 # The rejected designs (a select after the update), built as the benchmarks
 # build them.

@@ -14,7 +14,8 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale import _quantize_state as q
+from optax_lossscale._loss_scale import state as _loss_scale_state
+from optax_lossscale._params import quantize_state as q
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam, apply_updates
 
@@ -78,7 +79,7 @@ def test_each_element_takes_its_nearest_code(shape, block, scales):
   x = rng.normal(size=shape).astype(np.float32) * np.logspace(-6, 1, shape[-1])
   x = x.astype(np.float32)
   x.reshape(-1)[:block] = np.abs(x.reshape(-1)[:block])
-  leaf = q._encode(jnp.asarray(x), block, sqrt=False)
+  leaf = q.encode(jnp.asarray(x), block, sqrt=False)
   assert leaf.codes.shape == shape and leaf.codes.dtype == jnp.uint8
   assert leaf.scales.shape == scales
   flat = x.reshape(-1)
@@ -108,9 +109,9 @@ def test_a_value_halfway_between_two_codes_rounds_down():
   i = next(i for i in range(200, 255) if np.float32(mids[i]) == mids[i])
   mid = mids[i]  # a midpoint that float32 holds exactly
   x = jnp.asarray(np.r_[np.float32(mid), np.float32(1.0), np.zeros(254, np.float32)])
-  assert int(q._encode(x, 256, sqrt=False).codes[0]) == i
+  assert int(q.encode(x, 256, sqrt=False).codes[0]) == i
   above = jnp.asarray(np.nextafter(np.float32(mid), np.float32(2)))
-  assert int(q._encode(x.at[0].set(above), 256, sqrt=False).codes[0]) == i + 1
+  assert int(q.encode(x.at[0].set(above), 256, sqrt=False).codes[0]) == i + 1
 
 
 def test_an_unsigned_block_stores_its_square_roots():
@@ -118,9 +119,9 @@ def test_an_unsigned_block_stores_its_square_roots():
   x = np.sign(rng.normal(size=1024)) * 10.0 ** rng.uniform(-10, 0, 1024)
   x[:512] = np.abs(x[:512])  # two unsigned blocks, two signed
   x = jnp.asarray(x.astype(np.float32))
-  leaf = q._encode(x, 256)
-  plain = q._encode(x, 256, sqrt=False)
-  roots = q._encode(jnp.sqrt(jnp.abs(x)), 256, sqrt=False)
+  leaf = q.encode(x, 256)
+  plain = q.encode(x, 256, sqrt=False)
+  roots = q.encode(jnp.sqrt(jnp.abs(x)), 256, sqrt=False)
   np.testing.assert_array_equal(leaf.codes[:512], roots.codes[:512])
   np.testing.assert_array_equal(leaf.scales[:2], roots.scales[:2])
   np.testing.assert_array_equal(leaf.codes[512:], plain.codes[512:])
@@ -136,12 +137,12 @@ def test_an_unsigned_block_stores_its_square_roots():
 
 def test_zeros_and_non_finite_blocks():
   x = jnp.zeros(512).at[300].set(jnp.nan)
-  leaf = q._encode(x, 256)
+  leaf = q.encode(x, 256)
   assert float(leaf.scales[0]) == 0.0 and np.isposinf(leaf.scales[1])
   back = leaf.dequantize()
   np.testing.assert_array_equal(back[:256], 0.0)
   assert not bool(jnp.any(jnp.isfinite(back[256:])))
-  inf = q._encode(jnp.ones(256).at[3].set(-jnp.inf), 256)
+  inf = q.encode(jnp.ones(256).at[3].set(-jnp.inf), 256)
   assert np.isinf(inf.scales[0])
 
 
@@ -188,7 +189,7 @@ def test_an_update_is_the_inner_update_on_the_dequantised_state_quantised():
     assert _bits(updates) == _bits(want_u)
     for name in ("mu", "nu"):
       got = getattr(state.inner_state[0], name)["w"]
-      want = q._encode(getattr(want_state[0], name)["w"], 256)
+      want = q.encode(getattr(want_state[0], name)["w"], 256)
       assert _bits(got) == _bits(want)
       np.testing.assert_array_equal(
         getattr(state.inner_state[0], name)["b"], getattr(want_state[0], name)["b"]
@@ -345,7 +346,7 @@ def test_under_master_weights_a_bfloat16_model_keeps_exact_masters():
   assert _bits(ols.get_master_weights(state, params)) == _bits(rp)
   assert _bits(state.inner_state) == _bits(rs)
   scaled = ols.dynamic_loss_scale(tx)  # the loss scale finds the masters in it
-  assert ols._state.wants_float32_gradients(scaled.init(params))
+  assert _loss_scale_state.wants_float32_gradients(scaled.init(params))
 
 
 def test_multisteps_outside_it_leaves_the_state_alone_between_updates():

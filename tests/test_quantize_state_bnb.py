@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch", reason="the bnb extra: torch")
 bnb = pytest.importorskip("bitsandbytes", reason="the bnb extra: bitsandbytes")
 
 import optax_lossscale as ols  # noqa: E402
-from optax_lossscale import _quantize_state as q  # noqa: E402
+from optax_lossscale._params import quantize_state as q  # noqa: E402
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam
 
@@ -63,7 +63,7 @@ def test_codes_and_scales_equal_quantize_blockwise(signed):
   # values spanning seven decades below each block's largest, as moments do
   x = rng.normal(size=n) * 10.0 ** rng.uniform(-7, 0, n)
   x = (x if signed else np.abs(x)).astype(np.float32)
-  leaf = q._encode(jnp.asarray(x), 256, sqrt=False)
+  leaf = q.encode(jnp.asarray(x), 256, sqrt=False)
   code = q.dynamic_map(signed)
   codes, absmax = portable_quantize(torch.from_numpy(x), torch.from_numpy(code))
   np.testing.assert_array_equal(np.abs(np.asarray(leaf.scales)), absmax)

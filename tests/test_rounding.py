@@ -20,7 +20,12 @@ import pytest
 import versions
 
 import optax_lossscale as ols
-from optax_lossscale._rounding import draw, exact_update, random_bits_dtype, round_to
+from optax_lossscale._params.rounding import (
+  draw,
+  exact_update,
+  random_bits_dtype,
+  round_to,
+)
 
 F32 = np.dtype(np.float32)
 BF16, F16 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)

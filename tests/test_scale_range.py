@@ -15,7 +15,8 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale import _config, _core
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import core as _core
 
 F16, F32 = jnp.float16, jnp.float32
 

@@ -14,7 +14,7 @@ import pytest
 from xla_costs import reductions
 
 import optax_lossscale as ols
-from optax_lossscale import _finite
+from optax_lossscale._loss_scale import finite as _finite
 
 # Tests that run optax's adam, Flax or the Keras facade are marked
 # standard_promotion; the others run under strict promotion (conftest).
@@ -477,7 +477,7 @@ def test_float64_leaves_are_classified_with_x64_on():
 
   code = (
     "import jax.numpy as jnp\n"
-    "from optax_lossscale import _finite\n"
+    "from optax_lossscale._loss_scale import finite as _finite\n"
     "x = jnp.ones(5000, jnp.float64).at[3].set(-jnp.inf)\n"
     "k = _finite.nonfinite_kinds([jnp.array([1.0, jnp.nan]), x, jnp.ones(2)])\n"
     "assert x.dtype == jnp.float64\n"

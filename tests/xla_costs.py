@@ -2,7 +2,7 @@
 
 import jax
 
-from optax_lossscale._finite import FINITE_CHECK_CHUNK
+from optax_lossscale._loss_scale.finite import FINITE_CHECK_CHUNK
 
 
 def check_scratch(grads):

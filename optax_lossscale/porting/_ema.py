@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _state, _tree, _validate
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import state as _state
 
 
 class EmaParamsState(NamedTuple):

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_lossscale import _config, _validate
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import config as _config
 from optax_lossscale.porting import _loss_scale, _tf_rule
 from optax_lossscale.porting._keras import LossScaleOptimizer
 

@@ -16,16 +16,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import (
-  _config,
-  _core,
-  _finite,
-  _grad,
-  _overwrite,
-  _state,
-  _tree,
-  _validate,
-)
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import finite as _finite
+from optax_lossscale._loss_scale import grad as _grad
+from optax_lossscale._loss_scale import overwrite as _overwrite
+from optax_lossscale._loss_scale import state as _state
 from optax_lossscale.porting import (
   _ema,
   _keras_config,

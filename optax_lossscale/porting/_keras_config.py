@@ -16,7 +16,8 @@ from typing import Any
 
 import jax
 
-from optax_lossscale import _config, _validate
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import config as _config
 
 __all__ = [
   "BASE_DEFAULTS",

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _tree
+from optax_lossscale._base import tree as _tree
 from optax_lossscale.porting import _keras_math
 from optax_lossscale.porting._keras_math import OptimizerSpec
 

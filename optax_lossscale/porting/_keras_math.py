@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _validate
+from optax_lossscale._base import validate as _validate
 
 __all__ = ["DEFAULTS", "OptimizerSpec", "init_slots", "spec", "update_leaf"]
 

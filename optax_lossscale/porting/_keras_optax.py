@@ -14,10 +14,14 @@ from typing import Any
 
 import optax
 
-from optax_lossscale import _transform, _tree
-from optax_lossscale._config import LossScaleConfig
-from optax_lossscale._low_precision import KahanSummationState, StochasticRoundingState
-from optax_lossscale._master import MasterWeights, master_weights
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import transform as _transform
+from optax_lossscale._loss_scale.config import LossScaleConfig
+from optax_lossscale._params.low_precision import (
+  KahanSummationState,
+  StochasticRoundingState,
+)
+from optax_lossscale._params.master import MasterWeights, master_weights
 from optax_lossscale.porting import _ema, _optimizers
 from optax_lossscale.porting._tf_step import UnscaledGradients
 

@@ -21,9 +21,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _config, _core, _finite, _tree
-from optax_lossscale._config import LossScaleConfig
-from optax_lossscale._core import LossScaleState
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import finite as _finite
+from optax_lossscale._loss_scale.config import LossScaleConfig
+from optax_lossscale._loss_scale.core import LossScaleState
 from optax_lossscale.porting import _tf_names, _tf_rule
 
 __all__ = [

@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _config, _transform
-from optax_lossscale._autocast import autocast
+from optax_lossscale._autocast.transform import autocast
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import transform as _transform
 
 __all__ = ["enable_mixed_precision"]
 

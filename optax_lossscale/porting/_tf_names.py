@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from optax_lossscale import _validate
+from optax_lossscale._base import validate as _validate
 
 __all__ = ["DefaultFloat", "DefaultInt", "given", "resolve_tf_names"]
 

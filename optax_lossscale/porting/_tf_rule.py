@@ -7,7 +7,7 @@ multiplier *if the product is finite* (else it stays), and a non-finite
 step sets it to ``max(scale / multiplier, 1)``. There is no ceiling but
 float32's and no floor but 1, applied on a backoff only: a scale that starts
 below 1 grows from there and jumps to 1 at its first backoff. The core's
-rule (:func:`optax_lossscale._core.adjust`) clamps every change to
+rule (:func:`optax_lossscale._loss_scale.core.adjust`) clamps every change to
 ``[min_scale, max_scale]`` by default; TensorFlow's is its
 ``bounds="tensorflow"`` configuration, which this module builds for the
 porting package.
@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from optax_lossscale import _validate
-from optax_lossscale._config import LossScaleConfig
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale.config import LossScaleConfig
 
 __all__ = ["TFRuleConfig", "config", "fixed_value", "keras_config"]
 
@@ -34,7 +34,7 @@ class TFRuleConfig(LossScaleConfig):
   clamps to), its class says which rule :meth:`LossScale.adjust` runs:
   TensorFlow's (grow while the product is finite, back off to no less than
   1) rather than the core's clamped one: ``bounds="tensorflow"``, which
-  :func:`optax_lossscale._core.adjust` reads.
+  :func:`optax_lossscale._loss_scale.core.adjust` reads.
   """
 
   bounds: str = "tensorflow"

@@ -18,8 +18,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _core, _finite, _skip, _tree
-from optax_lossscale._core import LossScaleState
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import finite as _finite
+from optax_lossscale._loss_scale import skip as _skip
+from optax_lossscale._loss_scale.core import LossScaleState
 from optax_lossscale.porting import _keras_engine, _tf_rule
 from optax_lossscale.porting._keras_engine import BaseArgs
 from optax_lossscale.porting._keras_math import OptimizerSpec

@@ -6,7 +6,8 @@ from typing import Any
 
 import optax
 
-from optax_lossscale import _config, _transform
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import transform as _transform
 from optax_lossscale.porting._loss_scale import LossScale
 from optax_lossscale.porting._tf_rule import TFRuleConfig
 

@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from optax_lossscale import _validate
+from optax_lossscale._base import validate as _validate
 
 __all__ = [
   "DEFAULT_BACKOFF_FACTOR",

@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _block_matmul, _dtypes, _tree
+from optax_lossscale._base import dtypes as _dtypes
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._lowbit import block_matmul as _block_matmul
 
 __all__ = ["Float8Matmul", "as_recipe", "current_scale", "dot_general", "quantize"]
 

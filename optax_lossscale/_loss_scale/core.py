@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_lossscale import _finite, _tree
-from optax_lossscale._config import LossScaleConfig
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import finite as _finite
+from optax_lossscale._loss_scale.config import LossScaleConfig
 
 __all__ = [
   "COUNTER_FIELDS",

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_lossscale import _finite, _tree
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import finite as _finite
 
 __all__ = ["check_checkpoint", "nonfinite_leaves"]
 

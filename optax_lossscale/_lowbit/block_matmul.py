@@ -10,7 +10,7 @@ contraction, from the high-precision source (:func:`block_quantize`):
 * weight gradient ``dw = xᵀ dy``: ``x`` and ``dy`` along ``M``.
 
 Each GEMM multiplies the quantised operands with float32 accumulation
-(:mod:`~optax_lossscale._block_gemm`): emulated, the same numbers on every
+(:mod:`~optax_lossscale._lowbit.block_gemm`): emulated, the same numbers on every
 backend, or natively where a backend's block-scaled GEMM gives them. The
 backward pass saves the two operands as they came (their own dtypes), as a
 bfloat16 matmul does, and quantises them again.
@@ -38,7 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _block_gemm, _block_scaled, _tree
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._lowbit import block_gemm as _block_gemm
+from optax_lossscale._lowbit import block_scaled as _block_scaled
 
 __all__ = ["MXFP8Matmul", "NVFP4Matmul", "dot_general", "excluded"]
 
@@ -338,6 +340,6 @@ def as_block_recipe(matmul: Any) -> MXFP8Matmul | NVFP4Matmul | None:
   if isinstance(matmul, (MXFP8Matmul, NVFP4Matmul)):
     return matmul
   if isinstance(matmul, str) and matmul in ("mxfp8", "nvfp4"):
-    _block_scaled._format(matmul)  # a clear error on a JAX without the dtypes
+    _block_scaled.format_spec(matmul)  # a clear error on a JAX without the dtypes
     return MXFP8Matmul() if matmul == "mxfp8" else NVFP4Matmul()
   return None

@@ -1,6 +1,6 @@
 """autocast's evaluator: a traced function's jaxpr evaluated under the rules.
 
-Each equation runs as :mod:`~optax_lossscale._autocast` describes: calls,
+Each equation runs as :mod:`~optax_lossscale._autocast.transform` describes: calls,
 checkpoints, loops and branches are rewritten inside, custom-derivative
 calls keep their rules, and every other primitive casts its real floating
 inputs by its list (:func:`_first_order`); matmuls go through
@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _block_matmul, _float8, _jaxpr
-from optax_lossscale._autocast_rules import (
+from optax_lossscale._autocast.rules import (
   CUSTOM_CALLS,
   Rules,
   float32_results,
@@ -27,7 +26,10 @@ from optax_lossscale._autocast_rules import (
   is_float,
   moved_inputs,
 )
-from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr, Literal
+from optax_lossscale._base import jaxpr as _jaxpr
+from optax_lossscale._base.jaxpr import ClosedJaxpr, Jaxpr, Literal
+from optax_lossscale._lowbit import block_matmul as _block_matmul
+from optax_lossscale._lowbit import float8 as _float8
 
 __all__ = ["cast", "evaluate", "recording"]
 

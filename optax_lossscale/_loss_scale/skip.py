@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_lossscale import _jaxpr, _tree
+from optax_lossscale._base import jaxpr as _jaxpr
+from optax_lossscale._base import tree as _tree
 
 __all__ = [
   "SkipFallbackWarning",

@@ -17,18 +17,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import (
-  _config,
-  _core,
-  _low_precision,
-  _overwrite,
-  _skip,
-  _state,
-  _telemetry,
-  _tree,
-)
-from optax_lossscale._config import LossScaleConfig
-from optax_lossscale._core import LossScaleState
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import overwrite as _overwrite
+from optax_lossscale._loss_scale import skip as _skip
+from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import telemetry as _telemetry
+from optax_lossscale._loss_scale.config import LossScaleConfig
+from optax_lossscale._loss_scale.core import LossScaleState
 
 __all__ = [
   "dynamic_loss_scale",
@@ -129,7 +126,7 @@ def _warn_half_state(params: Any, inner_state: Any) -> None:
   leaves = jax.tree.leaves(params, is_leaf=_tree.is_variable)
   if not any(getattr(_tree.unwrap(p), "dtype", None) == jnp.float16 for p in leaves):
     return
-  scanned = _low_precision.without_compensation(inner_state)
+  scanned = _state.without_half_by_design(inner_state)
   half = [
     jax.tree_util.keystr(path)
     for path, x in jax.tree_util.tree_flatten_with_path(

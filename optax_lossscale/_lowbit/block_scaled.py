@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _rounding
+from optax_lossscale._params import rounding as _rounding
 
 __all__ = ["FORMATS", "RULES", "BlockQuantized", "block_quantize", "round_e2m1"]
 
@@ -61,7 +61,7 @@ FORMATS = {
 }
 
 
-def _format(fmt: Any) -> _Format:
+def format_spec(fmt: Any) -> _Format:
   if not isinstance(fmt, str) or fmt not in FORMATS:
     raise ValueError(f"`fmt` must be 'mxfp8' or 'nvfp4', got {fmt!r}.")
   spec = FORMATS[fmt]
@@ -311,7 +311,7 @@ def block_quantize(
     >>> q.dequantize().tolist()  # 0.1 / 2 is 0.05, in e4m3 0.05078125
     [1.0, 3.0, 512.0, 0.1015625]
   """
-  spec = _format(fmt)
+  spec = format_spec(fmt)
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"block_quantize: `x` must be floating, got {x.dtype}.")

@@ -6,7 +6,7 @@ blocked axes; the result is ``(B, a's free axis, b's free axis)`` in
 float32.
 
 Emulated, on every backend: each operand's elements times its block scales,
-exact in bfloat16 (:func:`~optax_lossscale._block_scaled.scaled_elements`),
+exact in bfloat16 (:func:`~optax_lossscale._lowbit.block_scaled.scaled_elements`),
 multiplied with float32 accumulation. NVFP4's scales per tensor multiply
 the result, as a native kernel's epilogue does. bfloat16 operands hold half
 the bytes of float32 ones and run on bfloat16 units (BENCHMARKS.md).
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _block_scaled
-from optax_lossscale._block_scaled import BlockQuantized
+from optax_lossscale._lowbit import block_scaled as _block_scaled
+from optax_lossscale._lowbit.block_scaled import BlockQuantized
 
 __all__ = ["gemm", "native_backend"]
 

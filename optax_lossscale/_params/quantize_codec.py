@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale import _tree
+from optax_lossscale._base import tree as _tree
 
 __all__ = ["QuantizedLeaf", "dynamic_map"]
 
@@ -65,7 +65,7 @@ def _thresholds(code: np.ndarray) -> np.ndarray:
 
 
 @functools.cache
-def _tables() -> tuple[np.ndarray, np.ndarray]:
+def tables() -> tuple[np.ndarray, np.ndarray]:
   """The two maps, signed then unsigned (512 values), and their thresholds."""
   codes = [dynamic_map(True), dynamic_map(False)]
   return np.concatenate(codes), np.concatenate([_thresholds(c) for c in codes])
@@ -148,7 +148,7 @@ def _lookup(table: np.ndarray, idx: jax.Array) -> jax.Array:
   return table.at[idx].get(out_sharding=jax.typeof(idx).sharding)
 
 
-def _nearest_code(s: jax.Array, signed: jax.Array, thresholds: np.ndarray) -> jax.Array:
+def nearest_code(s: jax.Array, signed: jax.Array, thresholds: np.ndarray) -> jax.Array:
   """The index of the nearest value of the map (signed or not) to ``s`` in
   [-1, 1], from the map's structure and two of its thresholds.
 
@@ -175,11 +175,11 @@ def _nearest_code(s: jax.Array, signed: jax.Array, thresholds: np.ndarray) -> ja
   return c + up.astype(jnp.int32) - down.astype(jnp.int32)
 
 
-def _encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
+def encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
   """``x`` as codes and scales, each element to the nearest value of its
   block's map (a value exactly halfway between two rounds down); with
   ``sqrt``, a block that is all ``>= 0`` as its square roots."""
-  thresholds = _tables()[1]
+  thresholds = tables()[1]
   b, k = _blocked(x.astype(_F32), block_size)
   signed = jnp.min(b, axis=-1, keepdims=True) < 0
   if sqrt:
@@ -189,7 +189,7 @@ def _encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
   absmax = jnp.max(mag, axis=-1, keepdims=True)
   inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0).astype(_F32)
   s = jnp.clip(b * inv, -1.0, 1.0)
-  idx = _nearest_code(s, signed, thresholds)
+  idx = nearest_code(s, signed, thresholds)
   codes = idx.astype(jnp.uint8).reshape(*x.shape[:k], -1)
   codes = codes[..., : math.prod(x.shape[k:])].reshape(x.shape)
   scales = jnp.where(signed, -absmax, absmax)[..., 0]
@@ -199,7 +199,7 @@ def _encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
 def _decode(q: QuantizedLeaf) -> jax.Array:
   """float32 values of ``q``'s codes in the maps its scales' signs select
   (squared for an unsigned block stored as square roots)."""
-  code = _tables()[0]
+  code = tables()[0]
   c, k = _blocked(q.codes.astype(jnp.int32), q.block_size)
   unsigned = (q.scales >= 0)[..., None]
   v = _lookup(code, jnp.where(unsigned, 256, 0) + c) * jnp.abs(q.scales)[..., None]

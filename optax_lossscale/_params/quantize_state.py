@@ -34,13 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale import _state, _tree, _validate
-from optax_lossscale._quantize_codec import (  # noqa: F401 - tests read them here
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._params.quantize_codec import (
   QuantizedLeaf,
-  _encode,
-  _nearest_code,
-  _tables,
   dynamic_map,
+  encode,
 )
 
 __all__ = [
@@ -200,7 +200,7 @@ def quantize_state(
         and x.size >= min_size
         and x.size > 0
       ):
-        return _encode(x, block_size, store_sqrt)
+        return encode(x, block_size, store_sqrt)
       return x
 
     return jax.tree.map(leaf, inner_state)
@@ -221,7 +221,7 @@ def quantize_state(
     t_flat, treedef = jax.tree.flatten(template, is_leaf=_is_quantized)
     n_flat = treedef.flatten_up_to(new_state)
     out = [
-      _encode(n, block_size, store_sqrt) if _is_quantized(t) else n
+      encode(n, block_size, store_sqrt) if _is_quantized(t) else n
       for t, n in zip(t_flat, n_flat, strict=True)
     ]
     return jax.tree.unflatten(treedef, out)

@@ -13,7 +13,9 @@ from typing import Any
 
 import jax
 
-from optax_lossscale import _core, _state, _tree
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import state as _state
 
 __all__ = ["scale_for", "scale_loss", "scaled_loss_fn", "value_and_grad"]
 

@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_lossscale import _state, _tree
-from optax_lossscale._rounding import draw, exact_update, is_half, round_to
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._params.rounding import draw, exact_update, is_half, round_to
 
 __all__ = [
   "KahanSummationState",
@@ -49,7 +50,7 @@ def _is_none(x: Any) -> bool:
   return x is None
 
 
-def _zip_leaves(name: str, updates: Any, params: Any, *others: Any) -> tuple:
+def zip_leaves(name: str, updates: Any, params: Any, *others: Any) -> tuple:
   """``(treedef, paths, rows)``: each leaf of ``updates`` (``None`` included)
   with its key path and the matching leaves of ``params`` and ``others``.
 
@@ -88,7 +89,7 @@ def _zip_leaves(name: str, updates: Any, params: Any, *others: Any) -> tuple:
   return treedef, paths, rows
 
 
-def _needs_params(name: str, params: Any) -> None:
+def needs_params(name: str, params: Any) -> None:
   if params is None:
     raise ValueError(
       f"{name} needs the parameters: call update(updates, state, params)."
@@ -203,7 +204,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
     return StochasticRoundingState(rounding_key=jnp.array(data, copy=True))
 
   def update_fn(updates, state, params=None):
-    _needs_params("stochastic_rounding", params)
+    needs_params("stochastic_rounding", params)
     _state.check_state_type("stochastic_rounding", state, StochasticRoundingState)
     key_data = state.rounding_key
     if getattr(key_data, "shape", None) != data.shape or key_data.dtype != data.dtype:
@@ -213,7 +214,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
         f"is {data.dtype}{list(data.shape)}: the state was made with a key of "
         "another PRNG implementation. Init it with this transformation."
       )
-    treedef, _, rows = _zip_leaves("stochastic_rounding", updates, params)
+    treedef, _, rows = zip_leaves("stochastic_rounding", updates, params)
     typed = jax.random.wrap_key_data(state.rounding_key, impl=impl)
     next_key, step_key = jax.random.split(typed)
 
@@ -238,6 +239,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
 # --------------------------------------------------------------------------
 
 
+@_state.register_half_by_design
 class KahanSummationState(NamedTuple):
   """State of :func:`kahan_summation`.
 
@@ -248,14 +250,6 @@ class KahanSummationState(NamedTuple):
   """
 
   compensation: Any
-
-
-def without_compensation(state: Any) -> Any:
-  """``state`` with every :class:`KahanSummationState` replaced by ``None``:
-  what is left holds the optimizer's own state, whose float16 leaves under-
-  and overflow (a Kahan compensation is float16 by design)."""
-  is_kahan = lambda x: isinstance(x, KahanSummationState)  # noqa: E731
-  return jax.tree.map(lambda x: None if is_kahan(x) else x, state, is_leaf=is_kahan)
 
 
 def kahan_summation() -> optax.GradientTransformation:
@@ -315,9 +309,9 @@ def kahan_summation() -> optax.GradientTransformation:
     )
 
   def update_fn(updates, state, params=None):
-    _needs_params("kahan_summation", params)
+    needs_params("kahan_summation", params)
     _state.check_state_type("kahan_summation", state, KahanSummationState)
-    treedef, paths, rows = _zip_leaves(
+    treedef, paths, rows = zip_leaves(
       "kahan_summation", updates, params, state.compensation
     )
     new_updates, new_compensation = [], []

@@ -16,8 +16,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from optax_lossscale import _autocast_lists, _dtypes, _float8, _jaxpr
-from optax_lossscale._jaxpr import ClosedJaxpr, Jaxpr
+from optax_lossscale._autocast import lists as _autocast_lists
+from optax_lossscale._base import dtypes as _dtypes
+from optax_lossscale._base import jaxpr as _jaxpr
+from optax_lossscale._base.jaxpr import ClosedJaxpr, Jaxpr
+from optax_lossscale._lowbit import float8 as _float8
 
 __all__ = [
   "CUSTOM_CALLS",

@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _dtypes, _tree
+from optax_lossscale._base import dtypes as _dtypes
+from optax_lossscale._base import tree as _tree
 
 #: The dtypes a policy holds: floating, wider than float8.
 _POLICY_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)

@@ -15,16 +15,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_lossscale import (
-  _config,
-  _finite,
-  _guard,
-  _low_precision,
-  _state,
-  _telemetry,
-  _tree,
-  _validate,
-)
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import finite as _finite
+from optax_lossscale._loss_scale import guard as _guard
+from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import telemetry as _telemetry
 
 __all__ = [
   "LeafReport",
@@ -151,7 +148,7 @@ def _optimizer_suspects(opt_state: Any) -> str:
   ``kahan_summation`` compensation is float16 by design and not counted).
   """
   inner = _tree.unwrap_variables(_state.find_loss_scale_state(opt_state).inner_state)
-  inner = _low_precision.without_compensation(inner)
+  inner = _state.without_half_by_design(inner)
   broken, half = [], []
   for path, x in jax.tree_util.tree_flatten_with_path(inner)[0]:
     if not _tree.is_float_array(x):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _tree
+from optax_lossscale._base import tree as _tree
 
 __all__ = [
   "HALF_DTYPES",
@@ -183,7 +183,7 @@ def round_to(x: Any, dtype: Any, bits: Any = None) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from optax_lossscale._rounding import round_to
+    >>> from optax_lossscale._params.rounding import round_to
     >>> x = jnp.full(2, 1 + 2.0**-9)  # a quarter of the way from 1 to 1 + 2**-7
     >>> round_to(x, jnp.bfloat16)
     Array([1., 1.], dtype=float32)

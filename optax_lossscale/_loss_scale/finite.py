@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale._tree import array_leaves, explicit_spec, is_float_array
+from optax_lossscale._base.tree import array_leaves, explicit_spec, is_float_array
 
 __all__ = [
   "CONCAT_MAX_SIZE",
@@ -225,7 +225,7 @@ def count_nonfinite(x: Any) -> tuple[int, int]:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from optax_lossscale import _finite
+    >>> from optax_lossscale._loss_scale import finite as _finite
     >>> _finite.count_nonfinite(jnp.array([jnp.nan, -jnp.inf, 1.0, jnp.nan]))
     (2, 1)
   """
@@ -283,7 +283,7 @@ def nonfinite_kinds(leaves: list[Any]) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from optax_lossscale import _finite
+    >>> from optax_lossscale._loss_scale import finite as _finite
     >>> _finite.nonfinite_kinds([jnp.ones(2), jnp.array([jnp.nan, jnp.inf])])
     Array([0, 3], dtype=uint8)
   """

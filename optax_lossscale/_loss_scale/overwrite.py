@@ -31,7 +31,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_lossscale import _skip, _state, _tree
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import skip as _skip
+from optax_lossscale._loss_scale import state as _state
 
 __all__ = [
   "OVERWRITE_WITH_GRADIENT",

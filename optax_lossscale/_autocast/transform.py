@@ -31,15 +31,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_lossscale import _autocast_eval, _autocast_state, _dtypes
-from optax_lossscale._autocast_eval import cast
-from optax_lossscale._autocast_lists import (
+from optax_lossscale._autocast import evaluate as _autocast_eval
+from optax_lossscale._autocast import nnx_state as _autocast_state
+from optax_lossscale._autocast.evaluate import cast
+from optax_lossscale._autocast.lists import (
   ALLOW_LIST,
   CLEAR_LIST,
   DENY_LIST,
   INFER_LIST,
 )
-from optax_lossscale._autocast_rules import Rules, is_float
+from optax_lossscale._autocast.rules import Rules, is_float
+from optax_lossscale._base import dtypes as _dtypes
 
 
 def _is_static(x: Any) -> bool:

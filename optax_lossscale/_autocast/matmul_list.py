@@ -8,8 +8,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _autocast, _autocast_eval
-from optax_lossscale._autocast_rules import Rules
+from optax_lossscale._autocast import evaluate as _autocast_eval
+from optax_lossscale._autocast import transform as _autocast
+from optax_lossscale._autocast.rules import Rules
 
 __all__ = ["Matmul", "format_matmuls", "list_matmuls"]
 

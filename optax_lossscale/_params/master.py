@@ -28,8 +28,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_lossscale import _rounding, _state, _tree, _validate
-from optax_lossscale._low_precision import _needs_params, _zip_leaves
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._params import rounding as _rounding
+from optax_lossscale._params.low_precision import needs_params, zip_leaves
 
 __all__ = [
   "MasterWeights",
@@ -223,9 +226,9 @@ def master_weights(
     return MasterWeightsState(master=master, inner_state=wrapped.init(masters))
 
   def update_fn(updates, state, params=None, **extra_args):
-    _needs_params("master_weights", params)
+    needs_params("master_weights", params)
     _state.check_state_type("master_weights", state, MasterWeightsState)
-    treedef, paths, rows = _zip_leaves("master_weights", updates, params, state.master)
+    treedef, paths, rows = zip_leaves("master_weights", updates, params, state.master)
     for path, (_, p, kept) in zip(paths, rows, strict=True):
       _check_kept("master_weights", path, p, kept, store)
     masters = [_master_of(p, kept) for _, p, kept in rows]

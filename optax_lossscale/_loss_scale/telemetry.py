@@ -22,7 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale import _core, _finite, _tree
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import finite as _finite
 
 __all__ = ["NonFiniteRecord", "initial_record", "leaf_paths", "note"]
 

@@ -15,8 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale import _core, _tree
-from optax_lossscale._core import LossScaleState
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale.core import LossScaleState
 
 __all__ = [
   "HalfPrecisionStateWarning",
@@ -30,9 +31,39 @@ __all__ = [
   "get_scale",
   "is_loss_scale_state",
   "none_gradients",
+  "register_half_by_design",
   "optimizer_state",
   "wants_float32_gradients",
+  "without_half_by_design",
 ]
+
+
+# Optimizer-state classes whose float16 leaves are float16 by design (a Kahan
+# compensation): the parameter tools register them, so that the loss scale,
+# which sits below those tools, leaves them out of its float16 checks.
+_HALF_BY_DESIGN: list[type] = []
+
+
+def register_half_by_design(cls: type) -> type:
+  """Marks the state class ``cls`` as float16 by design; returns ``cls``.
+
+  :func:`without_half_by_design` drops its instances, so that the float16
+  checks (the warning at ``init``, ``check_skipped_steps``' suspects) do not
+  count them.
+  """
+  _HALF_BY_DESIGN.append(cls)
+  return cls
+
+
+def without_half_by_design(state: Any) -> Any:
+  """``state`` with every instance of a registered class replaced by ``None``.
+
+  What is left holds the optimizer's own state, whose float16 leaves under-
+  and overflow.
+  """
+  kinds = tuple(_HALF_BY_DESIGN)
+  marked = lambda x: isinstance(x, kinds)  # noqa: E731
+  return jax.tree.map(lambda x: None if marked(x) else x, state, is_leaf=marked)
 
 
 class HalfPrecisionStateWarning(UserWarning):

@@ -1,0 +1,1 @@
+"""Pytree, dtype, argument and jaxpr helpers for every subsystem; imports none."""

@@ -1,0 +1,1 @@
+"""The loss scale: state machine, transformations, finite check, record, guard."""

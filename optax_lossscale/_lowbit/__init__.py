@@ -1,0 +1,1 @@
+"""Low-bit matmuls: float8 recipes, MXFP8/NVFP4 quantisation and GEMMs."""

@@ -1,0 +1,1 @@
+"""Low-precision parameters: rounding, master weights, 8-bit optimizer state."""
