@@ -33,14 +33,14 @@ from optax_lossscale._loss_scale.guard import check_checkpoint as check_checkpoi
 from optax_lossscale._loss_scale.overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._loss_scale.report import LeafReport as LeafReport
 from optax_lossscale._loss_scale.report import NonFiniteReport as NonFiniteReport
-from optax_lossscale._loss_scale.report import (
-  NonFiniteStepsError as NonFiniteStepsError,
-)
-from optax_lossscale._loss_scale.report import (
-  check_skipped_steps as check_skipped_steps,
-)
 from optax_lossscale._loss_scale.report import nonfinite_report as nonfinite_report
 from optax_lossscale._loss_scale.skip import SkipFallbackWarning as SkipFallbackWarning
+from optax_lossscale._loss_scale.skipped_steps import (
+  NonFiniteStepsError as NonFiniteStepsError,
+)
+from optax_lossscale._loss_scale.skipped_steps import (
+  check_skipped_steps as check_skipped_steps,
+)
 from optax_lossscale._loss_scale.state import (
   HalfPrecisionStateWarning as HalfPrecisionStateWarning,
 )
