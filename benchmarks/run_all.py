@@ -16,11 +16,18 @@ time (``leaves.py``), the designs tried (``designs.py``), the record's cost
 8-bit optimizer state (``quantize_state.py``), the probes (``probes.py``),
 and on a GPU the GPU report (``gpu_report.py``).
 
+Each script runs with this checkout first on ``PYTHONPATH`` (the package
+it imports is printed, and one from outside the checkout refused), so a
+clone measures its own code with another checkout's virtual environment.
+
 ``--write PATH`` then fills a Markdown file from the run: every block
 between ``<!-- run_all: KEY -->`` and ``<!-- /run_all -->`` is replaced by
 that question's tables (``header``: the run's header), the text around the
-blocks kept. With every table of ``BENCHMARKS.md`` in such a block, one
-command regenerates it whole at one commit::
+blocks kept. Each question's block starts with the command that made it and
+the commit (``Made by `...` at commit `abc1234`.``); a GPU-only question on a
+machine without a GPU says that it was not run. With every table of
+``BENCHMARKS.md`` in such a block, one command regenerates it whole at one
+commit::
 
   python benchmarks/run_all.py --write BENCHMARKS.md
 
@@ -50,7 +57,11 @@ ROOT = os.path.dirname(HERE)
 
 #: key: (title, script and its arguments, the same for --quick, report kind).
 #: A "md" script writes its report to ``--out``; a "log" script's report is
-#: what it prints (shown as a code block).
+#: what it prints (shown as a code block). So that the whole run takes about
+#: an hour on a busy 2-core CPU, the slowest sections are left to their
+#: scripts (leaves.py's finite check alone, the transformer trained with
+#: 8-bit Adam, probes.py's mlp, f16, kernels and faults) and the trainings
+#: run fewer seeds and steps than their scripts' defaults.
 QUESTIONS = {
   "update_step": (
     "Update step",
@@ -64,7 +75,12 @@ QUESTIONS = {
     ["train_step.py", "--quick"],
     "md",
   ),
-  "leaves": ("Leaves and compile time", ["leaves.py"], ["leaves.py", "--quick"], "md"),
+  "leaves": (
+    "Leaves and compile time",
+    ["leaves.py", "--sections", "leaves,distinct"],
+    ["leaves.py", "--quick"],
+    "md",
+  ),
   "designs": ("Designs tried", ["designs.py"], ["designs.py", "--quick"], "md"),
   "telemetry": (
     "The record's cost",
@@ -86,17 +102,18 @@ QUESTIONS = {
   ),
   "bf16_params": (
     "Low-precision parameters",
-    ["bf16_params.py"],
+    ["bf16_params.py", "--seeds", "1"],
     ["bf16_params.py", "--quick"],
     "md",
   ),
   "quantize_state": (
     "8-bit optimizer state",
-    ["quantize_state.py"],
+    ["quantize_state.py", "--models", "mlp", "--seeds", "2"]
+    + ["--mlp-steps", "1000", "--lm-steps", "100", "--calls", "5"],
     ["quantize_state.py", "--quick"],
     "md",
   ),
-  "probes": ("Probes", ["probes.py"], ["probes.py", "jitted"], "log"),
+  "probes": ("Probes", ["probes.py", "read", "jitted"], ["probes.py", "jitted"], "log"),
   "gpu_report": ("GPU report", ["gpu_report.py"], ["gpu_report.py", "--small"], "md"),
 }
 #: Run only where the machine's first device is a GPU (unless named in --only).
@@ -105,12 +122,24 @@ MACHINE_LINE = re.compile(r"^Machine: (.*)\.$", re.M)
 BLOCK = re.compile(r"(<!-- run_all: (\w+) -->\n)(.*?)(<!-- /run_all -->)", re.S)
 
 
+def env():
+  """The environment of the scripts: this checkout's package first on the path
+  (so that an install of another checkout is not what is measured)."""
+  path = [ROOT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+  return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def run(cmd, log_path, timeout=None):
   """Runs ``cmd`` in ROOT; its output to ``log_path``; the exit status."""
   with open(log_path, "w") as log:
     try:
       return subprocess.run(
-        cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+        cmd,
+        cwd=ROOT,
+        env=env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        timeout=timeout,
       ).returncode
     except subprocess.TimeoutExpired:
       log.write(f"\ntimed out after {timeout} s\n")
@@ -124,13 +153,27 @@ def git(*args):
 
 
 def machine():
-  """The harness's machine description, from a process of its own."""
+  """The harness's machine description, from a process of its own; exits
+  where that process imports the package from outside this checkout."""
   out = subprocess.run(
     [sys.executable, os.path.join(HERE, "_harness.py")],
+    cwd=ROOT,
+    env=env(),
     capture_output=True,
     text=True,
     check=True,
   ).stdout
+  package = subprocess.run(
+    [sys.executable, "-c", "import optax_lossscale as m; print(m.__file__)"],
+    cwd=ROOT,
+    env=env(),
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout.strip()
+  print(f"package: {package}", flush=True)
+  if not os.path.realpath(package).startswith(os.path.realpath(ROOT) + os.sep):
+    raise SystemExit(f"the scripts would import {package}, not this checkout's")
   return json.loads(out.strip().splitlines()[-1])
 
 
@@ -207,8 +250,8 @@ def main(argv=None):
   os.makedirs(args.out, exist_ok=True)
   info = machine()
   gpu = info["device"].startswith(("gpu", "cuda", "rocm"))
-  if not args.only and not gpu:
-    keys = [k for k in keys if k not in GPU_ONLY]
+  skipped = [] if args.only or gpu else [k for k in keys if k in GPU_ONLY]
+  keys = [k for k in keys if k not in skipped]
   command = "python benchmarks/run_all.py " + " ".join(
     shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
   )
@@ -228,6 +271,9 @@ def main(argv=None):
     header += ["", "No GPU: the GPU report is not run (`--only gpu_report` runs it)."]
   sections = {"header": "\n".join(header)}
   md = ["# Benchmarks", "", *header, ""]
+  for key in skipped:
+    sections[key] = f"Not run at commit `{info['commit']}`: this machine has no GPU."
+    md += [f"## {QUESTIONS[key][0]}", "", sections[key], ""]
   failed = []
   for key in keys:
     shown, text, failure = question(key, args.quick, args.out, args.timeout)
@@ -241,7 +287,7 @@ def main(argv=None):
     body = f"**failed**: {failure}." if failure else text
     if failure:
       failed.append(key)
-    sections[key] = f"Made by `{shown}`.\n\n{body}"
+    sections[key] = f"Made by `{shown}` at commit `{info['commit']}`.\n\n{body}"
     md += [f"## {QUESTIONS[key][0]}", "", sections[key], ""]
     with open(os.path.join(args.out, "tables.md"), "w") as f:
       f.write("\n".join(md))
