@@ -181,12 +181,22 @@ def encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
   ``sqrt``, a block that is all ``>= 0`` as its square roots."""
   thresholds = tables()[1]
   b, k = _blocked(x.astype(_F32), block_size)
-  signed = jnp.min(b, axis=-1, keepdims=True) < 0
+  # One pass over each block finds both its least value (a block with one
+  # below 0 uses the signed map) and its largest (NaN counted as an
+  # infinity: XLA's max reductions may drop a NaN); the largest magnitude
+  # follows from the two, and for a block stored as square roots it is
+  # the root of the largest value.
+  lo, hi = jax.lax.reduce(
+    (b, jnp.where(jnp.isnan(b), jnp.inf, b)),
+    (np.float32(np.inf), np.float32(-np.inf)),
+    lambda x, y: (jnp.minimum(x[0], y[0]), jnp.maximum(x[1], y[1])),
+    (b.ndim - 1,),
+  )
+  lo, hi = lo[..., None], hi[..., None]
+  signed = lo < 0
+  absmax = jnp.where(signed, jnp.maximum(-lo, hi), jnp.sqrt(hi) if sqrt else hi)
   if sqrt:
     b = jnp.where(signed, b, jnp.sqrt(jnp.where(signed, 0.0, b)))
-  # NaN counts as an infinity (XLA's max reductions may drop a NaN)
-  mag = jnp.where(jnp.isnan(b), jnp.inf, jnp.abs(b))
-  absmax = jnp.max(mag, axis=-1, keepdims=True)
   inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0).astype(_F32)
   s = jnp.clip(b * inv, -1.0, 1.0)
   idx = nearest_code(s, signed, thresholds)
