@@ -409,6 +409,32 @@ def test_a_donated_jitted_step_matches_an_undonated_one():
   assert _bits(a) == _bits(b)
 
 
+@pytest.mark.parametrize("store_sqrt", [True, False])
+def test_each_new_moment_is_reduced_once(store_sqrt):
+  # The encoder finds a block's least and largest values in one reduction
+  # (the sign test and the scale), so the compiled update reads each new
+  # moment once for its scales: one reduction per quantised leaf, none
+  # for float32 Adam (XLA's optimised program, a deterministic proxy of
+  # the bytes it reads).
+  from xla_costs import reductions
+
+  params = {f"w{i}": jnp.ones((64, 128)) for i in range(3)}
+
+  def count(tx):
+    state = tx.init(params)
+
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    hlo = jax.jit(step).lower(params, state, params).compile().as_text()
+    return reductions(hlo)
+
+  assert count(optax.adam(1e-3)) == (0, 0)
+  tx = ols.quantize_state(optax.adam(1e-3), min_size=0, store_sqrt=store_sqrt)
+  assert count(tx) == (2 * len(params), 0)  # mu and nu of each parameter
+
+
 def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path):
   ocp = pytest.importorskip("orbax.checkpoint")
   p0 = _params()
