@@ -13,7 +13,7 @@ floating inputs are cast according to four public lists (TF's names):
 * clear: data movement passes its input's dtype through.
 
 A primitive in no list runs in float32 (TF treats unlisted ops the same way).
-The lists live in ``_autocast_lists``. A matmul whose result is only ever
+The lists live in ``lists``. A matmul whose result is only ever
 read in float32 (its consumers, through the ops that follow their inputs'
 dtype, are deny-list ops or conversions to float32: attention's logits
 before the softmax) accumulates and returns float32 itself

@@ -1,6 +1,6 @@
 """Evaluating a jaxpr equation by equation, with hooks: the one interpreter.
 
-The skip (``_skip``) and ``autocast`` both re-evaluate a traced function's
+The skip (``_loss_scale.skip``) and ``autocast`` both re-evaluate a traced function's
 jaxpr and change what some equations compute; this module is the loop they
 share, and the one place that knows how a call primitive holds its body.
 """

@@ -7,13 +7,13 @@ facade, the Flax helpers) calls these functions:
 * :func:`unscale`: a gradient tree divided by the loss scale, in float32
   (the public form validates the tree; :func:`unscale_tree` is the one the
   transformations call on a tree they validated once);
-* :func:`check`: whether an update's gradients are finite (``_finite``'s
+* :func:`check`: whether an update's gradients are finite (``finite``'s
   check on the scaled or the unscaled tree), ANDed across devices
   (:func:`reduce_flag`);
 * :func:`adjust`: the update rule of the documentation's "exact rule".
 
 The state is one form, :class:`LossScaleState`; the hyper-parameters are a
-``LossScaleConfig`` of Python numbers (``_config``), never traced. Nothing
+``LossScaleConfig`` of Python numbers (``config``), never traced. Nothing
 here needs optax's transformations; the package-internal API is
 ``__all__``.
 """

@@ -6,7 +6,7 @@ in the parameters or the optimizer state; saved, it poisons every run that
 resumes from it. :func:`check_checkpoint` refuses such a state, naming where
 the values are, for the price of the finite check's one fused reduction; the
 leaves of a failing state are fetched and counted on the host with
-``_finite``'s own bit tests, so naming them compiles nothing.
+``finite``'s own bit tests, so naming them compiles nothing.
 """
 
 from __future__ import annotations

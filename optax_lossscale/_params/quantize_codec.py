@@ -5,7 +5,7 @@ Optimizers via Block-wise Quantization"), signed and unsigned, and one
 leaf's codec: blocks of consecutive elements with one float32 scale (their
 largest magnitude), each element rounded to the nearest value of its
 block's map (the unsigned one for a block that is all ``>= 0``, which holds
-its values' square roots when asked), and back. :mod:`_quantize_state`
+its values' square roots when asked), and back. :mod:`.quantize_state`
 builds the optax transformation on it.
 """
 

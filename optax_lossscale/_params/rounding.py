@@ -8,7 +8,7 @@ elementwise pass, exact, and out of reach of the compiler rewrites that may
 drop a float32-to-half-to-float32 round trip as "excess precision" (XLA's
 default allows them where its fusions fall). :func:`exact_update` is the
 float32 update that ``optax.apply_updates`` turns into exactly a given
-rounded value. The transformations of ``_low_precision`` are built on them.
+rounded value. The transformations of ``low_precision`` are built on them.
 """
 
 from __future__ import annotations
