@@ -113,44 +113,6 @@ def _float32_leaves(
   return wanted
 
 
-def _warn_half_state(params: Any, inner_state: Any) -> None:
-  """A :class:`HalfPrecisionStateWarning` when the optimizer keeps float16
-  state for float16 parameters.
-
-  Adam's moments in float16 underflow (``(1 - b2) * g**2`` is 0 below
-  ``|g|`` of about 0.0055, and ``eps=1e-8`` is 0) and overflow (``g**2``
-  above 256): the update divides by zero, the parameters become inf or NaN,
-  and every later step is skipped while the scale falls to its floor. A
-  :func:`kahan_summation` compensation is float16 by design and not counted.
-  """
-  leaves = jax.tree.leaves(params, is_leaf=_tree.is_variable)
-  if not any(getattr(_tree.unwrap(p), "dtype", None) == jnp.float16 for p in leaves):
-    return
-  scanned = _state.without_half_by_design(inner_state)
-  half = [
-    jax.tree_util.keystr(path)
-    for path, x in jax.tree_util.tree_flatten_with_path(
-      scanned, is_leaf=_tree.is_variable
-    )[0]
-    if getattr(_tree.unwrap(x), "dtype", None) == jnp.float16
-  ]
-  if not half:
-    return
-  warnings.warn(
-    f"The parameters are float16 and the optimizer keeps {len(half)} state "
-    f"leaves in float16 too (at .inner_state{half[0]}"
-    f"{', ...' if len(half) > 1 else ''}). Optimizer state in float16 "
-    "underflows and overflows (Adam's second moment is 0 for gradients "
-    "below about 0.0055 and its eps=1e-8 is 0, g**2 is inf above 256): the "
-    "parameters become inf or NaN within a few steps, every later step is "
-    "skipped and the scale falls to its floor. Keep the optimizer in "
-    "float32 on float32 master weights: "
-    "dynamic_loss_scale(master_weights(optax.adam(...), store='float32')).",
-    _state.HalfPrecisionStateWarning,
-    stacklevel=3,
-  )
-
-
 def loss_scale_transformation(
   inner: optax.GradientTransformation,
   config: LossScaleConfig,
@@ -194,7 +156,7 @@ def loss_scale_transformation(
         "dynamic_loss_scale(optax.adam(1e-3)); LossScaleOptimizer and "
         "enable_mixed_precision add their own, so give them the bare one too."
       )
-    _warn_half_state(params, inner_state)
+    _state.warn_half_state(params, inner_state)
     record = _telemetry.initial_record(params) if track_nonfinite else None
     return _core.initial_state(config, inner_state, record)
 
