@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale._lowbit import layout as _layout
 from optax_lossscale._params import rounding as _rounding
 
 __all__ = ["FORMATS", "RULES", "BlockQuantized", "block_quantize", "round_e2m1"]
@@ -84,45 +85,6 @@ def _ldexp(x: jax.Array, e: jax.Array) -> jax.Array:
   float32 subnormal factor could be flushed to zero by the backend)."""
   half = e // 2
   return x * _pow2(half) * _pow2(e - half)
-
-
-def _blocks(x: jax.Array, axis: int, block: int) -> jax.Array:
-  """``x`` with ``axis`` last, zero-padded to whole blocks, as (..., n, block)."""
-  x = jnp.moveaxis(x, axis, -1)
-  pad = -x.shape[-1] % block
-  if pad:
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
-  return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def _tiles(x: jax.Array, axis: int, other: int, block: int) -> jax.Array:
-  """``x`` as (..., n_axis, n_other, block, block) tiles over two axes."""
-  x = jnp.moveaxis(x, (other, axis), (-2, -1))
-  pads = [-x.shape[-2] % block, -x.shape[-1] % block]
-  if any(pads):
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, p) for p in pads])
-  *lead, r, c = x.shape
-  x = x.reshape(*lead, r // block, block, c // block, block)
-  # (..., n_other, block_other, n_axis, block_axis) -> (..., n_axis, n_other, b_o, b_a)
-  return jnp.moveaxis(x, (-4, -2), (-3, -4))
-
-
-def _unblocks(b: jax.Array, axis: int, length: int | None = None) -> jax.Array:
-  """The inverse of :func:`_blocks`, cut back to ``length`` (or padded)."""
-  x = b.reshape(*b.shape[:-2], b.shape[-2] * b.shape[-1])
-  if length is not None:
-    x = x[..., :length]
-  return jnp.moveaxis(x, -1, axis)
-
-
-def _untiles(t: jax.Array, axis: int, other: int, shape: tuple | None = None):
-  """The inverse of :func:`_tiles`, cut back to ``shape`` (or padded)."""
-  t = jnp.moveaxis(t, (-3, -4), (-4, -2))
-  *lead, no, bo, na, ba = t.shape
-  x = t.reshape(*lead, no * bo, na * ba)
-  if shape is not None:
-    x = x[..., : shape[other], : shape[axis]]
-  return jnp.moveaxis(x, (-2, -1), (other, axis))
 
 
 def _axis(name: str, value: Any, ndim: int) -> int:
@@ -209,10 +171,10 @@ def scaled_elements(q: BlockQuantized, dtype: Any) -> jax.Array:
   block = FORMATS[q.fmt].block
   e = q.elements.astype(_F32)
   if q.tile_axis is None:
-    e = _blocks(e, q.axis, block)
+    e = _layout.blocks(e, q.axis, block)
     s = jnp.moveaxis(q.scales, q.axis, -1)[..., None]
   else:
-    e = _tiles(e, q.axis, q.tile_axis, block)
+    e = _layout.tiles(e, q.axis, q.tile_axis, block)
     s = jnp.moveaxis(q.scales, (q.tile_axis, q.axis), (-1, -2))[..., None, None]
   if q.fmt == "mxfp8":
     bits = lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)
@@ -221,8 +183,8 @@ def scaled_elements(q: BlockQuantized, dtype: Any) -> jax.Array:
     v = e * s.astype(_F32)
   v = v.astype(dtype)
   if q.tile_axis is None:
-    return _unblocks(v, q.axis, q.shape[q.axis])
-  return _untiles(v, q.axis, q.tile_axis, q.shape)
+    return _layout.unblocks(v, q.axis, q.shape[q.axis])
+  return _layout.untiles(v, q.axis, q.tile_axis, q.shape)
 
 
 def _mx_exponent(amax: jax.Array) -> jax.Array:
@@ -345,10 +307,10 @@ def block_quantize(
     )
   x32 = x.astype(_F32)
   if tile_axis is None:
-    b = _blocks(x32, axis, spec.block)
+    b = _layout.blocks(x32, axis, spec.block)
     amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
   else:
-    b = _tiles(x32, axis, tile_axis, spec.block)
+    b = _layout.tiles(x32, axis, tile_axis, spec.block)
     amax = jnp.max(jnp.abs(b), axis=(-2, -1), keepdims=True)
   bad = ~jnp.isfinite(amax)  # NaN or inf in the block
   elem_dtype, scale_dtype = jnp.dtype(spec.element), jnp.dtype(spec.scale)
@@ -394,10 +356,10 @@ def block_quantize(
     scales = s
   # back to x's layout
   if tile_axis is None:
-    elements = _unblocks(q, axis)
+    elements = _layout.unblocks(q, axis)
     scales = jnp.moveaxis(scales[..., 0], -1, axis)
   else:
-    elements = _untiles(q, axis, tile_axis)
+    elements = _layout.untiles(q, axis, tile_axis)
     scales = jnp.moveaxis(scales[..., 0, 0], (-2, -1), (axis, tile_axis))
   return BlockQuantized(
     elements, scales, global_scale, fmt, axis, tile_axis, tuple(x.shape)
