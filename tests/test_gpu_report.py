@@ -219,3 +219,24 @@ def test_matmuls_per_recipe(report):
     got = {p: int(n) for n, p in re.findall(r"(\d+) in (\w+)", line[1])}
     assert got == counts and int(line[2]) == sum(counts.values())
     assert f"<summary>{name}: each matmul</summary>" in text
+
+
+def test_a_run_that_counts_nothing_is_reported(tmp_path):
+  """pytest stopping before any test (here an unknown plugin) is reported as
+  such, with the exit status and the log, not a crash of the report."""
+  sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
+  try:
+    import gpu_tests
+  finally:
+    sys.path.pop(0)
+  r = gpu_tests.run_tests(
+    ["-p", "no_such_plugin_anywhere", "tests/test_policy.py"],
+    120,
+    str(tmp_path / "log"),
+    str(tmp_path / "junit.xml"),
+  )
+  assert r["returncode"] != 0
+  assert (r["passed"], r["failed"], r["errors"]) == (0, 0, 0)
+  text = "\n".join(gpu_tests.tests_lines(r, ["tests/test_policy.py"], "cpu", False, "log", 0))
+  assert "wrote no JUnit XML" in text
+  assert f"| {r['returncode']} |" in text

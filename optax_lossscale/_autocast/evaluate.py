@@ -313,7 +313,7 @@ def _first_order(eqn, invals, rules: Rules):
 def _scan(eqn, invals, rules, flags):
   p = eqn.params
   sub, consts = _jaxpr.closed(p["jaxpr"])
-  nc, ncarry = p["num_consts"], p["num_carry"]
+  nc, ncarry = _jaxpr.scan_counts(p)
   cvals, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
   carry_dtypes = [x.dtype for x in init]
   inputs = [*flags[:nc], *[False] * ncarry, *flags[nc + ncarry :]]

@@ -191,7 +191,7 @@ def moved_inputs(jaxpr: Jaxpr, inputs: Iterable[bool]) -> set:
       ]
     elif name == "scan":
       sub = _jaxpr.closed(eqn.params["jaxpr"])[0]
-      nc, ncarry = eqn.params["num_consts"], eqn.params["num_carry"]
+      nc, ncarry = _jaxpr.scan_counts(eqn.params)
       ins = [holds(v) for v in eqn.invars]
       ins[nc : nc + ncarry] = [False] * ncarry
       inner = moved_inputs(sub, ins)

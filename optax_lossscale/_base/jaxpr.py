@@ -27,6 +27,7 @@ __all__ = [
   "call_body",
   "closed",
   "evaluate",
+  "scan_counts",
 ]
 
 #: Primitives that call a jaxpr as it is (``jax.jit`` inside a function is
@@ -48,6 +49,19 @@ def call_body(eqn: Any) -> tuple[Jaxpr, list[Any]] | None:
     return None
   key = next(k for k in ("jaxpr", "call_jaxpr") if k in eqn.params)
   return closed(eqn.params[key])
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+  """``(constants, carry)``: how many of a ``scan`` equation's inputs are each.
+
+  The inputs are the constants, the carry, then the scanned arrays. JAX
+  before 0.11 states the counts (``num_consts``, ``num_carry``); later JAX
+  states the three groups as a flat tree, ``ft_in``.
+  """
+  if "num_consts" in params:
+    return params["num_consts"], params["num_carry"]
+  consts, carry, _ = params["ft_in"].unpack()
+  return len(consts), len(carry)
 
 
 def bind(eqn: Any, invals: Sequence[Any], params: dict[str, Any] | None = None) -> list:
