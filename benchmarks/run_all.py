@@ -31,6 +31,18 @@ commit::
 
   python benchmarks/run_all.py --write BENCHMARKS.md
 
+``--only KEYS --write PATH`` fills only those questions' blocks (the
+header and the other blocks stay). ``--report KEY=PATH`` takes a question's
+report from a file made on another machine instead of running its script
+(for a question whose report names its own commit and device, the GPU
+report's): the GPU report, made where a GPU is lent (``python
+benchmarks/gpu_report.py --out DIR/gpu_report.md``) and written here with
+``--only gpu_report --report gpu_report=DIR/gpu_report.md --write
+BENCHMARKS.md``. Its block names the report's own command, commit and
+device, and holds the report's tables (:func:`digest`: the benchmark
+sections, without the environment, the test run and the collapsed
+listings, which stay in the report).
+
 A tree with uncommitted changes to tracked files is refused (its numbers
 would belong to no commit) unless ``--allow-dirty`` (which also notes,
 rather than refuses, a report made after HEAD moved); ``--quick`` runs each
@@ -42,7 +54,7 @@ own process): faster on a machine shared with other work, where each
 process gets its share of the cores, at the price of noisier times.
 
 Run:  python benchmarks/run_all.py [--quick] [--only KEYS] [--out DIR] [--jobs N]
-      [--write PATH]
+      [--write PATH] [--report KEY=PATH]
 """
 
 from __future__ import annotations
@@ -206,6 +218,48 @@ def question(key, quick, out_dir, timeout):
     return shown, "```\n" + f.read().rstrip() + "\n```\n", None
 
 
+#: The report's sections that a block holds, by question (default: all).
+DIGEST_SECTIONS = {"gpu_report": ("3.", "4.")}
+
+
+def digest(key, text):
+  """The part of a question's report that its block holds.
+
+  For a question in :data:`DIGEST_SECTIONS`: those ``## `` sections, one
+  heading level down, without ``<details>`` listings and wall-time lines;
+  otherwise ``text`` itself.
+  """
+  if key not in DIGEST_SECTIONS:
+    return text
+  text = re.sub(r"<details>.*?</details>\n*", "", text, flags=re.S)
+  text = re.sub(r"^(Section|Total) wall time: .*\n", "", text, flags=re.M)
+  parts = re.split(r"^## ", text, flags=re.M)[1:]
+  kept = ["### " + p.strip("\n") for p in parts if p.startswith(DIGEST_SECTIONS[key])]
+  return re.sub(r"\n{3,}", "\n\n", "\n\n".join(kept))
+
+
+def from_report(key, path, allow_dirty):
+  """``(command, block text, failure or None)`` of a report made elsewhere.
+
+  The command is the report's own (its first ``Made by`` line), the commit
+  and device its environment table's; a report of uncommitted changes is a
+  failure unless ``allow_dirty``.
+  """
+  with open(path) as f:
+    text = f.read()
+  made = re.search(r"^Made by `(.*)`\.$", text, re.M)
+  commit = re.search(r"^\| commit \| (.*) \|$", text, re.M)
+  device = re.search(r"^\| device kind \| (.*) \|$", text, re.M)
+  if not (made and commit and device):
+    return "", "", f"{path} lacks its command, commit or device kind"
+  shown = made.group(1)
+  if "uncommitted" in commit.group(1) and not allow_dirty:
+    return shown, "", f"{path} was made with uncommitted changes"
+  body = digest(key, text)
+  head = f"Made by `{shown}` at commit `{commit.group(1)}` on {device.group(1)}."
+  return shown, f"{head}\n\n{body}", None
+
+
 def strip_machine(text, commit):
   """``text`` less its "Machine:" lines; raises if one names a commit other
   than ``commit`` (None: no check)."""
@@ -216,17 +270,24 @@ def strip_machine(text, commit):
   return MACHINE_LINE.sub("", text).strip("\n")
 
 
-def fill(path, sections):
+def fill(path, sections, partial=False):
   """Replaces each ``run_all`` block of the file at ``path``; raises on an
-  unknown key or a file without blocks."""
+  unknown key or a file without blocks. ``partial``: only the blocks of
+  ``sections``' keys, the others left as they are (a key of ``sections``
+  with no block still raises)."""
   with open(path) as f:
     text = f.read()
   keys = [m.group(2) for m in BLOCK.finditer(text)]
   unknown = sorted(set(keys) - set(sections))
+  if partial:
+    unknown = sorted(set(sections) - set(keys))
   if not keys or unknown:
     raise SystemExit(f"{path}: no run_all blocks, or keys not run: {unknown}")
   text = BLOCK.sub(
-    lambda m: m.group(1) + sections[m.group(2)] + "\n" + m.group(4), text
+    lambda m: m.group(1)
+    + (sections[m.group(2)] + "\n" if m.group(2) in sections else m.group(3))
+    + m.group(4),
+    text,
   )
   with open(path, "w") as f:
     f.write(text)
@@ -245,11 +306,21 @@ def main(argv=None):
   p.add_argument(
     "--jobs", type=int, default=1, help="scripts run at a time (default: one)"
   )
+  p.add_argument(
+    "--report",
+    action="append",
+    default=[],
+    metavar="KEY=PATH",
+    help="take this question's report from PATH (made on another machine)",
+  )
   args = p.parse_args(argv)
   keys = [k for k in args.only.split(",") if k] or list(QUESTIONS)
-  unknown = sorted(set(keys) - set(QUESTIONS))
-  if unknown:
-    p.error(f"unknown keys {unknown}; choose from {list(QUESTIONS)}")
+  reports = dict(r.split("=", 1) for r in args.report if "=" in r)
+  unknown = sorted((set(keys) | set(reports)) - set(QUESTIONS))
+  if unknown or len(reports) != len(args.report):
+    p.error(f"unknown keys {unknown}, or a --report not KEY=PATH; keys: {list(QUESTIONS)}")
+  if set(reports) - set(keys) or set(reports) - set(DIGEST_SECTIONS):
+    p.error(f"--report: a question that is not run, or not one of {sorted(DIGEST_SECTIONS)}")
   if args.write and args.quick:
     p.error("--quick numbers mean nothing: not written with --write")
   dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -279,27 +350,40 @@ def main(argv=None):
   ]
   if not gpu:
     header += ["", "No GPU: the GPU report is not run (`--only gpu_report` runs it)."]
-  sections = {"header": "\n".join(header)}
+  # A partial run (--only) leaves the header of the full run in place.
+  sections = {} if args.only else {"header": "\n".join(header)}
   md = ["# Benchmarks", "", *header, ""]
   for key in skipped:
     sections[key] = f"Not run at commit `{info['commit']}`: this machine has no GPU."
     md += [f"## {QUESTIONS[key][0]}", "", sections[key], ""]
   failed = []
   pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs)
-  runs = {k: pool.submit(question, k, args.quick, args.out, args.timeout) for k in keys}
+  runs = {
+    k: pool.submit(question, k, args.quick, args.out, args.timeout)
+    for k in keys
+    if k not in reports
+  }
   for key in keys:
-    shown, text, failure = runs[key].result()
-    if failure is None:
+    if key in reports:  # made elsewhere
+      shown, text, failure = "", "", None
+    else:
+      shown, text, failure = runs[key].result()
+    if failure is None and key in DIGEST_SECTIONS:
+      # A report that names its own commit and device (the GPU report).
+      path = reports.get(key, os.path.join(args.out, f"{key}.md"))
+      shown, block, failure = from_report(key, path, args.allow_dirty)
+    elif failure is None:
       try:
         text = strip_machine(text, info["commit"])
       except RuntimeError as e:  # HEAD moved during the run
         if not args.allow_dirty:
           failure = str(e)
         text = f"**note**: {e}.\n\n" + strip_machine(text, None)
-    body = f"**failed**: {failure}." if failure else text
+      block = f"Made by `{shown}` at commit `{info['commit']}`.\n\n{text}"
     if failure:
       failed.append(key)
-    sections[key] = f"Made by `{shown}` at commit `{info['commit']}`.\n\n{body}"
+      block = f"Made by `{shown}` at commit `{info['commit']}`.\n\n**failed**: {failure}."
+    sections[key] = block
     md += [f"## {QUESTIONS[key][0]}", "", sections[key], ""]
     with open(os.path.join(args.out, "tables.md"), "w") as f:
       f.write("\n".join(md))
@@ -307,7 +391,7 @@ def main(argv=None):
   if failed:
     sys.exit(f"failed: {', '.join(failed)}")
   if args.write:
-    fill(args.write, sections)
+    fill(args.write, sections, partial=bool(args.only))
     print(f"filled {args.write}")
 
 

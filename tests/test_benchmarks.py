@@ -299,6 +299,81 @@ def test_run_all_refuses_a_page_it_cannot_fill(run_all, tmp_path, text):
   assert page.read_text() == text
 
 
+def test_run_all_fills_only_the_blocks_of_a_partial_run(run_all, tmp_path):
+  page = tmp_path / "page.md"
+  text = (
+    "<!-- run_all: header -->\nold header\n<!-- /run_all -->\n"
+    "<!-- run_all: gpu_report -->\nold\n<!-- /run_all -->\n"
+  )
+  page.write_text(text)
+  run_all.fill(page, {"gpu_report": "new"}, partial=True)
+  assert page.read_text() == text.replace("old\n<", "new\n<")
+  with pytest.raises(SystemExit):  # a key with no block
+    run_all.fill(page, {"leaves": "x"}, partial=True)
+
+
+_REPORT = """# GPU report
+
+Made by `python benchmarks/gpu_report.py --out r.md`.
+
+## 1. Environment
+
+| | |
+| --- | --- |
+| device kind | NVIDIA H200 |
+| commit | {commit} |
+
+## 2. Test suite
+
+| passed |
+| ---: |
+| 3 |
+
+## 3. bench.py tables
+
+| step | time |
+| --- | ---: |
+| adam | 1 ms |
+
+Section wall time: 4.0 s.
+
+## 4. Transformer
+
+| precision | step |
+| --- | ---: |
+| float8 | 2 ms |
+
+<details><summary>each matmul</summary>
+
+```
+a long listing
+```
+</details>
+
+Total wall time: 9.0 s.
+"""
+
+
+def test_run_all_takes_a_report_made_elsewhere(run_all, tmp_path):
+  path = tmp_path / "gpu_report.md"
+  path.write_text(_REPORT.format(commit="abc1234"))
+  shown, block, failure = run_all.from_report("gpu_report", str(path), False)
+  assert failure is None and shown == "python benchmarks/gpu_report.py --out r.md"
+  assert block.startswith(
+    "Made by `python benchmarks/gpu_report.py --out r.md` at commit `abc1234` on "
+    "NVIDIA H200.\n\n### 3. bench.py tables\n"
+  )
+  # The tables of sections 3 and 4; not the environment, the tests, the
+  # listings or the wall times.
+  assert "| adam | 1 ms |" in block and "| float8 | 2 ms |" in block
+  for gone in ("| passed |", "device kind |", "a long listing", "wall time"):
+    assert gone not in block, gone
+  path.write_text(_REPORT.format(commit="abc1234 + uncommitted changes"))
+  assert "uncommitted" in run_all.from_report("gpu_report", str(path), False)[2]
+  path.write_text(_REPORT.replace("| device kind | NVIDIA H200 |\n", ""))
+  assert run_all.from_report("gpu_report", str(path), False)[2]
+
+
 def test_run_all_checks_each_report_names_the_run_commit(run_all):
   text = "Machine: cpu; 2 cores; jax 0.1; commit abc1234+.\n\n| a | b |\n"
   assert run_all.strip_machine(text, "abc1234+") == "| a | b |"
