@@ -250,6 +250,44 @@ def test_empty_operands_give_empty_or_zero_results():
   np.testing.assert_array_equal(g, 0.0)
 
 
+def _all_eqns(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for p in e.params.values():
+      inner = getattr(p, "jaxpr", p)
+      if hasattr(inner, "eqns"):
+        yield from _all_eqns(inner)
+
+
+@pytest.mark.parametrize(
+  "lhs, rhs, dn, tiny",
+  [
+    ((2, 4), (4, 2), (((1,), (0,)), ((), ())), True),  # (2 + 2) * 4 = 16
+    ((31, 16), (16, 31), (((1,), (0,)), ((), ())), True),  # 992
+    ((32, 16), (16, 32), (((1,), (0,)), ((), ())), False),  # 1024
+    # Batch axes are not counted; free axes multiply.
+    ((64, 2, 4), (64, 4, 2), (((2,), (1,)), ((0,), (0,))), True),
+    ((2, 3, 32), (32, 40), (((2,), (0,)), ((), ())), False),  # (6 + 40) * 32
+    # No operand with a free axis longer than 1: a vector dot, any length.
+    ((1, 4096), (4096, 1), (((1,), (0,)), ((), ())), True),
+    ((4096,), (4096,), (((0,), (0,)), ((), ())), True),
+  ],
+)
+def test_a_tiny_matmul_multiplies_its_float8_values_in_float32(lhs, rhs, dn, tiny):
+  # XLA's GPU backend keeps a tiny dot out of cuBLAS and multiplies float8
+  # operands in float16 (448 * 448 overflows it); in float32 the products of
+  # float8 values are exact.
+  assert _float8.small(lhs, rhs, dn) is tiny
+  recipe = ols.Float8Matmul(power_of_two=True)  # exact on ones
+  f = lambda a, b: _float8.dot_general(a, b, dn, jnp.float32, recipe)
+  a, b = jnp.ones(lhs), jnp.ones(rhs)
+  jaxpr = jax.make_jaxpr(f)(a, b).jaxpr
+  (dot,) = [e for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  operands = {v.aval.dtype for v in dot.invars}
+  assert operands == ({jnp.dtype(jnp.float32)} if tiny else {E4M3}), operands
+  np.testing.assert_array_equal(f(a, b), lax.dot_general(a, b, dn))
+
+
 def test_the_default_rescale_is_unbiased_in_bfloat16():
   # A scale that is not a power of two (448 / 1) must not be rounded to
   # bfloat16 before the rescale: 4 ones times 4 ones is exactly 4.

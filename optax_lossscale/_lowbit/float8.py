@@ -15,12 +15,21 @@ float32 (or bfloat16 with power-of-two scales), multiplied directly by one
 scalar (the product of the inverse scales), which XLA folds into the GEMM.
 Elsewhere (CPU) XLA converts the operands to float32 and multiplies in
 float32: the numbers are those of float8, the speed is not.
+
+A tiny matmul is the exception. XLA's GPU backend leaves a dot with
+``(M + N) * K`` under 100 (its ``xla_gpu_gemm_rewrite_size_threshold``)
+out of cuBLAS. It then widens float8 operands to float16 and multiplies in
+float16, so a product past 65504 (448 x 448 is 200704) becomes inf. Such a
+matmul (:func:`small`, with a margin of 10) gets its float8 operands
+converted to float32 here. That is exact: the products of float8 values
+are exact in float32, as in the float8 GEMM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, ClassVar
 
 import jax
@@ -174,6 +183,28 @@ def _product_dtype(out_dtype, exact_scale: bool) -> jnp.dtype:
   return jnp.dtype(jnp.float32)
 
 
+#: XLA's GPU default ``xla_gpu_gemm_rewrite_size_threshold``, times a margin
+#: for a larger flag: a float8 dot below it is multiplied in float32.
+SMALL_DOT = 1000
+
+
+def small(lhs_shape, rhs_shape, dimension_numbers) -> bool:
+  """Whether XLA's GPU backend may multiply this float8 dot in float16.
+
+  ``(M + N) * K`` below :data:`SMALL_DOT` (M and N: the product of each
+  operand's free axes, K of the contracting axes, batch axes not counted,
+  as XLA counts), or no operand with a free axis longer than 1 (a dot
+  cuBLAS does not take).
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  k = math.prod(lhs_shape[d] for d in lc)
+  m, n = (
+    math.prod(d for i, d in enumerate(shape) if i not in c and i not in b)
+    for shape, c, b in ((lhs_shape, lc, lb), (rhs_shape, rc, rb))
+  )
+  return (m + n) * k < SMALL_DOT or (m == 1 and n == 1)
+
+
 def _scaled_dot(
   a, b, dimension_numbers, inverse_scale, out_dtype, exact_scale, out_sharding=None
 ):
@@ -187,6 +218,8 @@ def _scaled_dot(
   """
   pet = _product_dtype(out_dtype, exact_scale)
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
+  if small(a.shape, b.shape, dimension_numbers):  # see the module's docstring
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet, **kwargs)
   return (out * inverse_scale.astype(pet)).astype(out_dtype)
 
