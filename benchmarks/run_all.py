@@ -13,8 +13,9 @@ The questions, in order: the update step against its peers
 time (``leaves.py``), the designs tried (``designs.py``), the record's cost
 (``telemetry.py``), error paths (``error_paths.py``), block-scaled memory
 (``block_memory.py``), low-precision parameters (``bf16_params.py``), the
-8-bit optimizer state (``quantize_state.py``), the probes (``probes.py``),
-and on a GPU the GPU report (``gpu_report.py``).
+8-bit optimizer state (``quantize_state.py``), and on a GPU the GPU report
+(``gpu_report.py``). ``probes.py``, the investigation's measurements, is
+run by hand (BENCHMARKS.md's log names its commands).
 
 Each script runs with this checkout first on ``PYTHONPATH`` (the package
 it imports is printed, and one from outside the checkout refused), so a
@@ -78,7 +79,7 @@ ROOT = os.path.dirname(HERE)
 #: what it prints (shown as a code block). So that the whole run takes about
 #: an hour on a busy 2-core CPU, the slowest sections are left to their
 #: scripts (leaves.py's finite check alone, the transformer trained with
-#: 8-bit Adam, probes.py's mlp, f16, kernels and faults) and the trainings
+#: 8-bit Adam) and the trainings
 #: run fewer seeds and steps than their scripts' defaults; update_step.py's
 #: float16 table is left out too (for BENCHMARKS.md's length).
 QUESTIONS = {
@@ -132,7 +133,6 @@ QUESTIONS = {
     ["quantize_state.py", "--quick"],
     "md",
   ),
-  "probes": ("Probes", ["probes.py", "read", "jitted"], ["probes.py", "jitted"], "log"),
   "gpu_report": ("GPU report", ["gpu_report.py"], ["gpu_report.py", "--small"], "md"),
 }
 #: Run only where the machine's first device is a GPU (unless named in --only).

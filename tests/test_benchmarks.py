@@ -389,7 +389,6 @@ def test_run_all_checks_each_report_names_the_run_commit(run_all):
     "block_memory",
     "bf16_params",
     "quantize_state",
-    "probes",
     "gpu_report",
   ]
   for _, full, quick, _ in run_all.QUESTIONS.values():
