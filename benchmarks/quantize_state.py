@@ -11,7 +11,8 @@ Three sections:
 * ``train``: the main example's transformer and the digits MLP
   (``_tasks.py``, as in ``bf16_params.py``: the same data, batches and
   models, computing in bfloat16), three seeds, final validation loss of float32 Adam, of
-  float32 parameters + 8-bit Adam, and of bfloat16 parameters +
+  float32 parameters + 8-bit Adam (square roots of the second moment, the
+  default; stored as is; stochastic rounding of the codes), and of bfloat16 parameters +
   ``master_weights(store="remainder")`` + 8-bit Adam, with the bytes per
   parameter of each (parameters, masters, moments, scales);
 * ``nu``: how the second moment's storage changes Adam's step: from the
@@ -51,6 +52,10 @@ CONFIGS = {
   "float32 params + 8-bit Adam, nu stored as is": (
     F32,
     lambda lr: ols.quantize_state(optax.adam(lr), store_sqrt=False),
+  ),
+  "float32 params + 8-bit Adam, stochastic rounding": (
+    F32,
+    lambda lr: ols.quantize_state(optax.adam(lr), rounding="stochastic"),
   ),
   "bf16 params + remainder + 8-bit Adam": (
     BF16,

@@ -114,6 +114,37 @@ def test_a_value_halfway_between_two_codes_rounds_down():
   assert int(q.encode(x.at[0].set(above), 256, sqrt=False).codes[0]) == i + 1
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["unsigned", "signed"])
+def test_stochastic_rounding_takes_a_neighbour_right_on_average(signed):
+  code = q.dynamic_map(signed)
+  k = 200  # between two codes of the top decade
+  lo, hi = float(code[k]), float(code[k + 1])
+  target = lo + 0.3 * (hi - lo)
+  # 400 blocks of 255 distinct values around the target (each its own
+  # random number) and 1.0, the block's largest: the scale is 1.
+  n = 400 * 255
+  vals = target + (np.arange(n) - n / 2) * 1e-12
+  x = np.ones((400, 256), np.float32)
+  x[:, 1:] = vals.reshape(400, 255)
+  if signed:
+    x[:, 0] = -1.0
+  leaf = q.encode(jnp.asarray(x), 256, sqrt=False, stochastic=True)
+  codes = np.asarray(leaf.codes)[:, 1:]
+  assert set(np.unique(codes)) == {k, k + 1}  # the two around it, both drawn
+  got = float(np.asarray(leaf.dequantize())[:, 1:].mean())
+  sigma = (hi - lo) * np.sqrt(0.3 * 0.7 / n)
+  assert abs(got - float(x[:, 1:].mean())) < 5 * sigma
+  # Nearest rounding is off by 0.3 of the gap, far outside that.
+  nearest = float(np.asarray(q.encode(jnp.asarray(x), 256, sqrt=False).dequantize())[:, 1:].mean())
+  assert abs(nearest - float(x[:, 1:].mean())) > 100 * sigma
+  # The same values draw the same codes; a value of the map keeps its code.
+  again = q.encode(jnp.asarray(x), 256, sqrt=False, stochastic=True)
+  np.testing.assert_array_equal(again.codes, leaf.codes)
+  exact = x.copy()
+  exact[:, 1:] = lo
+  assert np.all(np.asarray(q.encode(jnp.asarray(exact), 256, sqrt=False, stochastic=True).codes)[:, 1:] == k)
+
+
 def test_an_unsigned_block_stores_its_square_roots():
   rng = np.random.default_rng(3)
   x = np.sign(rng.normal(size=1024)) * 10.0 ** rng.uniform(-10, 0, 1024)
@@ -258,6 +289,8 @@ def test_a_bfloat16_state_leaf_comes_back_in_bfloat16():
     ({"min_size": -1}, "`min_size`"),
     ({"min_size": "big"}, "min_size"),
     ({"store_sqrt": 1}, "`store_sqrt`"),
+    ({"rounding": "random"}, "`rounding`"),
+    ({"rounding": None}, "`rounding`"),
   ],
 )
 def test_bad_arguments(kwargs, match):
@@ -299,9 +332,10 @@ def test_master_weights_inside_it_is_refused():
 # --------------------------------------------------------------------------
 
 
-def test_a_skipped_step_leaves_the_quantised_state_bit_for_bit():
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_skipped_step_leaves_the_quantised_state_bit_for_bit(rounding):
   params = _params()
-  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
+  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3), rounding=rounding))
   state = tx.init(params)
   step = jax.jit(lambda s, g: tx.update(g, s, params))
   _, state = step(state, _grads(params))
@@ -391,9 +425,10 @@ def test_masked_and_multi_transform():
   np.testing.assert_array_equal(updates["b"], -1e-3 * _grads(params)["b"])
 
 
-def test_a_donated_jitted_step_matches_an_undonated_one():
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_a_donated_jitted_step_matches_an_undonated_one(rounding):
   p0 = _params()
-  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
+  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3), rounding=rounding))
 
   def step(params, state, g):
     updates, state = tx.update(g, state, params)

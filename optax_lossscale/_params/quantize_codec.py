@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from optax_lossscale._base import tree as _tree
+from optax_lossscale._params import rounding as _rounding
 
 __all__ = ["QuantizedLeaf", "dynamic_map"]
 
@@ -175,10 +176,30 @@ def nearest_code(s: jax.Array, signed: jax.Array, thresholds: np.ndarray) -> jax
   return c + up.astype(jnp.int32) - down.astype(jnp.int32)
 
 
-def encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
+def _stochastic(s: jax.Array, signed: jax.Array, nearest: jax.Array) -> jax.Array:
+  """The code of each ``s`` rounded at random between the two map values
+  around it, up with probability its distance from the lower one over
+  their gap (so the code's value is ``s`` on average); ``nearest`` is its
+  nearest code. The random numbers are :func:`rounding.uniform_of` of
+  ``s``."""
+  code = tables()[0]
+  base = jnp.where(signed, 0, 256)
+  v = _lookup(code, base + nearest)
+  lo = jnp.where(v <= s, nearest, jnp.maximum(nearest - 1, 0))
+  hi = jnp.minimum(lo + 1, 255)
+  v_lo, v_hi = _lookup(code, base + lo), _lookup(code, base + hi)
+  gap = v_hi - v_lo
+  p = jnp.where(gap > 0, (s - v_lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
+  return lo + (_rounding.uniform_of(s) < p).astype(jnp.int32)
+
+
+def encode(
+  x: jax.Array, block_size: int, sqrt: bool = True, stochastic: bool = False
+) -> QuantizedLeaf:
   """``x`` as codes and scales, each element to the nearest value of its
-  block's map (a value exactly halfway between two rounds down); with
-  ``sqrt``, a block that is all ``>= 0`` as its square roots."""
+  block's map (a value exactly halfway between two rounds down), or with
+  ``stochastic`` to one of the two around it at random (:func:`_stochastic`);
+  with ``sqrt``, a block that is all ``>= 0`` as its square roots."""
   thresholds = tables()[1]
   b, k = _blocked(x.astype(_F32), block_size)
   # One pass over each block finds both its least value (a block with one
@@ -200,6 +221,8 @@ def encode(x: jax.Array, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
   inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0).astype(_F32)
   s = jnp.clip(b * inv, -1.0, 1.0)
   idx = nearest_code(s, signed, thresholds)
+  if stochastic:
+    idx = _stochastic(s, signed, idx)
   codes = idx.astype(jnp.uint8).reshape(*x.shape[:k], -1)
   codes = codes[..., : math.prod(x.shape[k:])].reshape(x.shape)
   scales = jnp.where(signed, -absmax, absmax)[..., 0]

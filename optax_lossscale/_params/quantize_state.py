@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 _BITS = (8,)
+_ROUNDINGS = ("nearest", "stochastic")
 
 
 # --------------------------------------------------------------------------
@@ -77,7 +78,7 @@ class QuantizeState(optax.GradientTransformationExtraArgs):
 
   Attributes:
     inner: the wrapped transformation.
-    bits, block_size, min_size, store_sqrt: as given.
+    bits, block_size, min_size, store_sqrt, rounding: as given.
   """
 
   def __new__(cls, init, update, inner, **options):
@@ -115,6 +116,7 @@ def quantize_state(
   block_size: int = 256,
   min_size: int = 4096,
   store_sqrt: bool = True,
+  rounding: str = "nearest",
 ) -> QuantizeState:
   """``inner`` with its large state leaves stored in 8 bits, blockwise.
 
@@ -133,7 +135,12 @@ def quantize_state(
   eps)`` is too large by orders of magnitude); square roots span half as
   many decades, and no entry measured in BENCHMARKS.md became 0 (its
   "8-bit optimizer state" section). ``store_sqrt=False`` is bitsandbytes'
-  ``Adam8bit`` storage. ``update`` dequantises the state (each leaf in its
+  ``Adam8bit`` storage. ``rounding="stochastic"`` rounds each element
+  to one of the two map values around it at random, up with probability
+  its distance from the lower one over their gap (its code then is right
+  on average); the random numbers hash each element's index and new value,
+  so nothing random is stored and a value that does not change keeps its
+  code. ``update`` dequantises the state (each leaf in its
   own dtype), runs ``inner.update``, and quantises the new state; a leaf
   holding NaN or an infinity gets an infinite scale, which the checkpoint
   guard sees.
@@ -151,14 +158,15 @@ def quantize_state(
     block_size: elements per block, a power of two >= 2.
     min_size: leaves with fewer elements are not quantised (>= 0).
     store_sqrt: store the square roots of a block that is all ``>= 0``.
+    rounding: ``"nearest"`` or ``"stochastic"``.
 
   Returns:
     A :class:`QuantizeState` (an ``optax.GradientTransformationExtraArgs``)
     whose state is a :class:`QuantizedState`.
 
   Raises:
-    ValueError: a bad ``bits``, ``block_size``, ``min_size`` or
-      ``store_sqrt``; ``init``
+    ValueError: a bad ``bits``, ``block_size``, ``min_size``,
+      ``store_sqrt`` or ``rounding``; ``init``
       where ``inner``'s state holds a :func:`master_weights` state;
       ``update`` with a state made for other parameters or by another
       transformation (naming the leaf).
@@ -186,6 +194,9 @@ def quantize_state(
   if not isinstance(store_sqrt, (bool, np.bool_)):
     raise ValueError(f"`store_sqrt` must be True or False, got {store_sqrt!r}.")
   store_sqrt = bool(store_sqrt)
+  if rounding not in _ROUNDINGS:
+    raise ValueError(f"`rounding` must be one of {_ROUNDINGS}, got {rounding!r}.")
+  stochastic = rounding == "stochastic"
   if not (
     callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
   ):
@@ -200,7 +211,7 @@ def quantize_state(
         and x.size >= min_size
         and x.size > 0
       ):
-        return encode(x, block_size, store_sqrt)
+        return encode(x, block_size, store_sqrt, stochastic)
       return x
 
     return jax.tree.map(leaf, inner_state)
@@ -221,7 +232,7 @@ def quantize_state(
     t_flat, treedef = jax.tree.flatten(template, is_leaf=_is_quantized)
     n_flat = treedef.flatten_up_to(new_state)
     out = [
-      encode(n, block_size, store_sqrt) if _is_quantized(t) else n
+      encode(n, block_size, store_sqrt, stochastic) if _is_quantized(t) else n
       for t, n in zip(t_flat, n_flat, strict=True)
     ]
     return jax.tree.unflatten(treedef, out)
@@ -242,6 +253,7 @@ def quantize_state(
     block_size=block_size,
     min_size=min_size,
     store_sqrt=store_sqrt,
+    rounding=rounding,
   )
 
 

@@ -32,6 +32,8 @@ __all__ = [
   "random_bits_dtype",
   "round_to",
   "split_remainder",
+  "uniform",
+  "uniform_of",
 ]
 
 _F32 = jnp.dtype(jnp.float32)
@@ -119,6 +121,18 @@ def draw(key: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
   hashed = _threefry2x32(words[0], words[1], row, jnp.broadcast_to(column, shape))
   out = random_bits_dtype(dtype)
   return (hashed >> np.uint32(32 - 8 * out.itemsize)).astype(out)
+
+
+def uniform_of(x: jax.Array) -> jax.Array:
+  """float32 numbers in [0, 1), one per element of float32 ``x``, hashed
+  from the element's own bits and its flat index (Threefry-2x32 under a
+  fixed key): no key to carry, and a new draw wherever the value changes.
+  An element that keeps its value keeps its number, so rounding it again
+  gives the same result."""
+  index = lax.iota(_U32, x.size).reshape(x.shape)
+  bits = lax.bitcast_convert_type(x.astype(_F32), _U32)
+  hashed = _threefry2x32(np.uint32(0x5EED), np.uint32(0x0C0DE), bits, index)
+  return (hashed >> np.uint32(8)).astype(_F32) * np.float32(2.0**-24)
 
 
 def uniform(key: jax.Array, shape: tuple) -> jax.Array:

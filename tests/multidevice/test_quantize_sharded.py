@@ -64,8 +64,10 @@ def grads(step):
 
 
 @functools.cache
-def run(mode, store_sqrt=False, loss_scale=True):
-  tx = ols.quantize_state(optax.adam(1e-2), min_size=1024, store_sqrt=store_sqrt)
+def run(mode, store_sqrt=False, loss_scale=True, rounding="nearest"):
+  tx = ols.quantize_state(
+    optax.adam(1e-2), min_size=1024, store_sqrt=store_sqrt, rounding=rounding
+  )
   if loss_scale:
     tx = ols.dynamic_loss_scale(tx, initial_scale=2.0**10)
   params = init_params()
@@ -154,3 +156,16 @@ def test_square_roots_without_a_loss_scale_equal_one_device(mode):
   one = run(None, store_sqrt=True, loss_scale=False)
   # the step before the NaN gradients (which make NaN parameters)
   assert_bitwise_equal(sharded[:BAD_STEP], one[:BAD_STEP])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stochastic_rounding_sharded_equals_one_device(mode):
+  # Each element's random number hashes its index in the whole leaf and its
+  # value: the same on any sharding.
+  sharded = run(mode, rounding="stochastic")
+  assert_bitwise_equal(sharded, run(None, rounding="stochastic"))
+  nearest = run(None)
+  codes = lambda h: [x.codes for x in jax.tree.leaves(  # noqa: E731
+    h[-1][1], is_leaf=lambda x: isinstance(x, ols.QuantizedLeaf)
+  ) if isinstance(x, ols.QuantizedLeaf)]
+  assert any(not np.array_equal(a, b) for a, b in zip(codes(sharded), codes(nearest)))
