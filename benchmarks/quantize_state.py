@@ -71,9 +71,9 @@ COST_CONFIGS = {
 }
 
 
-def train(name, params, batches, loss_fn, evaluate, lr):
+def train(name, params, batches, loss_fn, evaluate, lr, configs=CONFIGS):
   """One configuration's run: final validation loss/accuracy, bytes/param."""
-  dtype, make = CONFIGS[name]
+  dtype, make = configs[name]
   params = jax.tree.map(lambda p: p.astype(dtype), params)
   tx = make(lr)
   state = tx.init(params)
@@ -97,13 +97,13 @@ def train(name, params, batches, loss_fn, evaluate, lr):
   )
 
 
-def compare(task, steps, seeds, lr):
-  out = {name: [] for name in CONFIGS}
+def compare(task, steps, seeds, lr, configs=CONFIGS):
+  out = {name: [] for name in configs}
   for seed in seeds:
     _, params, batches, loss_fn, evaluate = task(steps, seed)
-    for name in CONFIGS:
+    for name in configs:
       t = time.perf_counter()
-      r = train(name, params, batches, loss_fn, evaluate, lr)
+      r = train(name, params, batches, loss_fn, evaluate, lr, configs)
       out[name].append(r)
       print(
         f"  seed {seed} {name:<40} loss {r['loss']:.4f} acc {r['acc']:.4f} "
@@ -113,7 +113,9 @@ def compare(task, steps, seeds, lr):
   return out
 
 
-def train_table(results, ref="float32 Adam"):
+def train_table(results, ref="float32 Adam", state_bytes=None):
+  """The runs' table; ``state_bytes``: the last column's state bytes/param by
+  setup, in place of the measured ones (for a simulated state)."""
   base = results[ref]
   rows = [
     "| setup | val loss (mean) | gap to float32 Adam, per seed | spread of "
@@ -122,6 +124,8 @@ def train_table(results, ref="float32 Adam"):
   ]
   spread = np.ptp([r["loss"] for r in base])
   for name, rs in results.items():
+    if state_bytes is not None:
+      rs = [dict(r, state=state_bytes[name]) for r in rs]
     gaps = [r["loss"] - b["loss"] for r, b in zip(rs, base, strict=True)]
     rows.append(
       f"| {name} | {np.mean([r['loss'] for r in rs]):.4f} | "

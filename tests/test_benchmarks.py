@@ -393,3 +393,28 @@ def test_run_all_checks_each_report_names_the_run_commit(run_all):
   ]
   for _, full, quick, _ in run_all.QUESTIONS.values():
     assert os.path.isfile(os.path.join(_BENCH, full[0])) and quick[0] == full[0]
+
+
+@versions.examples
+def test_the_4bit_simulation_holds_what_the_8bit_codec_stores():
+  """``quantize_4bit.py`` simulates a width by rounding the moments in
+  float32; with the 8-bit maps, blocks of 256 and square roots it must give
+  exactly ``quantize_state``'s codec's values, or its 4-bit numbers would
+  measure the simulation, not the width."""
+  sys.path.insert(0, _BENCH)
+  try:
+    sim = importlib.import_module("quantize_4bit")
+  finally:
+    sys.path.remove(_BENCH)
+  from optax_lossscale._params import quantize_codec as codec
+
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(16, 512)) * 10.0 ** rng.uniform(-9, 0, (16, 512))
+  x[:8] = np.abs(x[:8])  # blocks of the unsigned map (square roots) too
+  x = jnp.asarray(x, jnp.float32)
+  want = codec.encode(x, 256, sqrt=True).dequantize()
+  got = sim.qdq(x, *sim.EIGHT, 256, True)
+  np.testing.assert_array_equal(got, want)
+  for signed in (True, False):
+    m = sim.dynamic_map_4bit(signed)
+    assert m.shape == (16,) and m[-1] == 1 and np.all(np.diff(m) > 0)

@@ -23,7 +23,7 @@ import numpy as np
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._params import rounding as _rounding
 
-__all__ = ["QuantizedLeaf", "dynamic_map"]
+__all__ = ["QuantizedLeaf", "dynamic_map", "thresholds"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -55,7 +55,7 @@ def dynamic_map(signed: bool) -> np.ndarray:
   return np.sort(np.array(values)).astype(np.float32)
 
 
-def _thresholds(code: np.ndarray) -> np.ndarray:
+def thresholds(code: np.ndarray) -> np.ndarray:
   """For each pair of neighbours of ``code``, the smallest float32 above
   their exact midpoint (a value rounds up iff it is at least this), and
   ``inf`` last: 256 float32."""
@@ -69,7 +69,7 @@ def _thresholds(code: np.ndarray) -> np.ndarray:
 def tables() -> tuple[np.ndarray, np.ndarray]:
   """The two maps, signed then unsigned (512 values), and their thresholds."""
   codes = [dynamic_map(True), dynamic_map(False)]
-  return np.concatenate(codes), np.concatenate([_thresholds(c) for c in codes])
+  return np.concatenate(codes), np.concatenate([thresholds(c) for c in codes])
 
 
 # --------------------------------------------------------------------------
