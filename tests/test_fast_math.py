@@ -59,7 +59,8 @@ FLAGS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", FLAGS)
 def test_nonfinite_gradients_are_caught_under_fast_math(flags):
-  env = {**os.environ, "XLA_FLAGS": flags}
+  # XLA's CPU flags: on the CPU backend, also on a machine with a GPU.
+  env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run(
     [sys.executable, "-c", SCRIPT],
     env=env,
