@@ -202,9 +202,10 @@ def compare(task, steps, seeds, lr):
   return out, moments, stores
 
 
-def update_costs(calls, rounds):
-  """The update step of each configuration on the update-step workload."""
-  params32 = w.layers()
+def update_costs(calls, rounds, **workload):
+  """The update step of each configuration on the update-step workload
+  (``workload``: ``_workloads.layers``' sizes, for a smoke run)."""
+  params32 = w.layers(**workload)
   grads = w.grads_like(jax.tree.map(lambda p: p.astype(BF16), params32))
   entries = []
   for name in CONFIGS:
@@ -352,12 +353,13 @@ def main(argv=None):
       f"Loss curves: {os.path.basename(png)}.",
     ]
   if "costs" in sections:
-    costs = update_costs(args.calls, 1 if args.quick else 3)
+    small = {"n_layers": 2, "width": 64} if args.quick else {}
+    costs = update_costs(args.calls, 1 if args.quick else 3, **small)
     ref, nearest = costs["float32"], costs["bf16 nearest"]
     parts += [
-      "Update step (Adam + the rounding, the update-step workload: 8.4M "
-      "parameters in 64 leaves, gradients in bfloat16; smallest of the "
-      "rounds' medians):",
+      "Update step (Adam + the rounding, the update-step workload: "
+      + ("2 layers of 64 (--quick)" if args.quick else "8.4M parameters in 64 leaves")
+      + ", gradients in bfloat16; smallest of the rounds' medians):",
       "\n".join(
         [
           "| parameters | update step (ms) | time vs float32 | bytes accessed (MB) | "
