@@ -192,3 +192,19 @@ def test_list_matmuls_writes_no_state():
   (found,) = ols.list_matmuls(ols.autocast(f, compute_dtype=jnp.bfloat16), model, X)
   assert found.precision == "bfloat16"
   np.testing.assert_array_equal(model.kernel[...], kernel)
+
+
+def test_a_scans_constants_and_carry_are_counted_on_this_jax():
+  # JAX before 0.11 states the counts as parameters, later JAX as a flat
+  # tree of the three groups; autocast's rules and evaluator read both.
+  from optax_lossscale._base import jaxpr as _jaxpr
+
+  def f(w, c0, c1, xs):
+    body = lambda c, x: ((c[0] * x + w[0], c[1] + w[1]), c[0] * x)  # noqa: E731
+    return lax.scan(body, (c0, c1), xs)
+
+  closed = jax.make_jaxpr(f)(jnp.ones(2), 1.0, 2.0, jnp.ones(3))
+  (scan,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "scan"]
+  consts, carry = _jaxpr.scan_counts(scan.params)
+  assert (consts, carry) == (1, 2), scan.params.keys()
+  assert len(scan.invars) == consts + carry + 1
