@@ -47,19 +47,6 @@ from optax_lossscale._params import quantize_codec as _codec
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def dynamic_map_4bit(signed):
-  """bitsandbytes' ``create_dynamic_map(signed, 3, 4)``, in float64 then
-  float32: 16 values (three decades, as ``dynamic_map``'s seven)."""
-  values = [0.0, 1.0]
-  for i in range(3):
-    n = 2 ** (i if signed else i + 1)
-    edges = np.linspace(0.1, 1.0, n + 1)
-    means = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 2)
-    values += list(means) + (list(-means) if signed else [])
-  assert len(values) == 16
-  return np.sort(np.array(values)).astype(np.float32)
-
-
 def qdq(x, values_signed, values_unsigned, block, sqrt):
   """``x`` rounded to what a block-quantised leaf holds: blocks of ``block``,
   each scaled by its largest magnitude and rounded to the nearest value of
@@ -109,7 +96,7 @@ def _two_maps(inner_lr, m_map, nu_map, block, sqrt):
 
 
 EIGHT = (_codec.dynamic_map(True), _codec.dynamic_map(False))
-FOUR = (dynamic_map_4bit(True), dynamic_map_4bit(False))
+FOUR = (_codec.dynamic_map(True, bits=4), _codec.dynamic_map(False, bits=4))
 LINEAR = (np.arange(1, 17) / 16).astype(np.float32)
 
 #: Adam's state in bytes a parameter as each setup would store it: two

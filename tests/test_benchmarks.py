@@ -415,6 +415,5 @@ def test_the_4bit_simulation_holds_what_the_8bit_codec_stores():
   want = codec.encode(x, 256, sqrt=True).dequantize()
   got = sim.qdq(x, *sim.EIGHT, 256, True)
   np.testing.assert_array_equal(got, want)
-  for signed in (True, False):
-    m = sim.dynamic_map_4bit(signed)
+  for m in sim.FOUR:
     assert m.shape == (16,) and m[-1] == 1 and np.all(np.diff(m) > 0)

@@ -166,14 +166,15 @@ def test_an_unsigned_block_stores_its_square_roots():
   assert (back[:512][small] == 0).sum() == 0
 
 
-def test_zeros_and_non_finite_blocks():
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_zeros_and_non_finite_blocks(stochastic):
   x = jnp.zeros(512).at[300].set(jnp.nan)
-  leaf = q.encode(x, 256)
+  leaf = q.encode(x, 256, stochastic=stochastic)
   assert float(leaf.scales[0]) == 0.0 and np.isposinf(leaf.scales[1])
   back = leaf.dequantize()
   np.testing.assert_array_equal(back[:256], 0.0)
   assert not bool(jnp.any(jnp.isfinite(back[256:])))
-  inf = q.encode(jnp.ones(256).at[3].set(-jnp.inf), 256)
+  inf = q.encode(jnp.ones(256).at[3].set(-jnp.inf), 256, stochastic=stochastic)
   assert np.isinf(inf.scales[0])
 
 

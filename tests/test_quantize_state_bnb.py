@@ -48,10 +48,17 @@ def at_rounded_midpoint(scaled, code):
   return np.isin(scaled, up)
 
 
-def test_the_maps_are_bitsandbytes_within_two_units_in_the_last_place():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_maps_are_bitsandbytes_within_two_units_in_the_last_place(bits):
+  # 8 bits: quantize_state's maps; 4: what benchmarks/quantize_4bit.py
+  # simulates (bitsandbytes pads a narrower map with zeros to 256 entries).
   for signed in (True, False):
-    ours = q.dynamic_map(signed)
-    theirs = bnb.functional.create_dynamic_map(signed=signed).numpy()
+    ours = q.dynamic_map(signed, bits=bits)
+    theirs = bnb.functional.create_dynamic_map(
+      signed=signed, max_exponent_bits=bits - 1, total_bits=bits
+    ).numpy()
+    theirs = np.sort(np.r_[np.unique(theirs), np.zeros(2**bits - len(np.unique(theirs)))])
+    assert ours.shape == theirs.shape == (2**bits,)
     ulps = np.abs(ours - theirs) / np.spacing(np.abs(theirs).astype(np.float32))
     assert ulps.max() <= 2
 

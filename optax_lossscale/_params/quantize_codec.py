@@ -28,29 +28,32 @@ __all__ = ["QuantizedLeaf", "dynamic_map", "thresholds"]
 _F32 = jnp.dtype(jnp.float32)
 
 
-def dynamic_map(signed: bool) -> np.ndarray:
-  """The 256 values of the 8-bit dynamic quantisation map, sorted, float32.
+def dynamic_map(signed: bool, bits: int = 8) -> np.ndarray:
+  """The ``2**bits`` values of the dynamic quantisation map, sorted, float32.
 
-  bitsandbytes' ``create_dynamic_map(signed)`` (7 exponent bits): for each
-  decade ``10**(i - 6)``, ``i = 0..6``, the midpoints of ``2**i`` (signed;
-  ``2**(i + 1)`` unsigned) equal steps of ``[0.1, 1]``, times the decade,
-  with both signs if ``signed``; and 0 and 1. Computed in float64 and
-  rounded to float32 once (bitsandbytes computes the steps in float32 with
-  torch's ``linspace``, whose values depend on the CPU's vector width: its
-  maps differ from these in some entries by one or two units in the last
-  place).
+  bitsandbytes' ``create_dynamic_map(signed, bits - 1, bits)`` (``bits - 1``
+  exponent bits): for each decade ``10**(i - bits + 2)``, ``i = 0..bits -
+  2``, the midpoints of ``2**i`` (signed; ``2**(i + 1)`` unsigned) equal
+  steps of ``[0.1, 1]``, times the decade, with both signs if ``signed``;
+  and 0 and 1. Computed in float64 and rounded to float32 once
+  (bitsandbytes computes the steps in float32 with torch's ``linspace``,
+  whose values depend on the CPU's vector width: its 8-bit maps differ from
+  these in some entries by one or two units in the last place).
 
   Args:
-    signed: the signed map (-0.993 to 1) or the unsigned one (0 to 1).
+    signed: the signed map (-0.993 to 1 in 8 bits) or the unsigned one (0
+      to 1).
+    bits: the code's width: 8 (seven decades, what ``quantize_state``
+      stores) or less (``benchmarks/quantize_4bit.py`` simulates 4).
 
   Returns:
-    A float32 NumPy array of 256 increasing values.
+    A float32 NumPy array of ``2**bits`` increasing values.
   """
   values = [0.0, 1.0]
-  for i in range(7):
+  for i in range(bits - 1):
     n = 2 ** (i if signed else i + 1)
     edges = np.linspace(0.1, 1.0, n + 1)
-    means = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)
+    means = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - bits + 2)
     values += list(means) + (list(-means) if signed else [])
   return np.sort(np.array(values)).astype(np.float32)
 
