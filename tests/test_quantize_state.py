@@ -292,6 +292,7 @@ def test_a_bfloat16_state_leaf_comes_back_in_bfloat16():
     ({"store_sqrt": 1}, "`store_sqrt`"),
     ({"rounding": "random"}, "`rounding`"),
     ({"rounding": None}, "`rounding`"),
+    ({"rounding": np.array(["nearest", "stochastic"])}, "`rounding`"),
   ],
 )
 def test_bad_arguments(kwargs, match):

@@ -196,7 +196,7 @@ def quantize_state(
   if not isinstance(store_sqrt, (bool, np.bool_)):
     raise ValueError(f"`store_sqrt` must be True or False, got {store_sqrt!r}.")
   store_sqrt = bool(store_sqrt)
-  if rounding not in _ROUNDINGS:
+  if not isinstance(rounding, str) or rounding not in _ROUNDINGS:
     raise ValueError(f"`rounding` must be one of {_ROUNDINGS}, got {rounding!r}.")
   stochastic = rounding == "stochastic"
   if not (
