@@ -12,7 +12,6 @@ builds the optax transformation on it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
@@ -20,10 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_lossscale._base import tree as _tree
 from optax_lossscale._params import rounding as _rounding
 
-__all__ = ["QuantizedLeaf", "dynamic_map", "thresholds"]
+__all__ = ["QuantizedLeaf", "dynamic_map", "encode", "encode_many", "thresholds"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -33,12 +31,15 @@ def dynamic_map(signed: bool, bits: int = 8) -> np.ndarray:
 
   bitsandbytes' ``create_dynamic_map(signed, bits - 1, bits)`` (``bits - 1``
   exponent bits): for each decade ``10**(i - bits + 2)``, ``i = 0..bits -
-  2``, the midpoints of ``2**i`` (signed; ``2**(i + 1)`` unsigned) equal
-  steps of ``[0.1, 1]``, times the decade, with both signs if ``signed``;
-  and 0 and 1. Computed in float64 and rounded to float32 once
-  (bitsandbytes computes the steps in float32 with torch's ``linspace``,
-  whose values depend on the CPU's vector width: its 8-bit maps differ from
-  these in some entries by one or two units in the last place).
+  2``, the midpoints of ``n = 2**i`` (signed; ``2**(i + 1)`` unsigned)
+  equal steps of ``[0.1, 1]``, times the decade, with both signs if
+  ``signed``; and 0 and 1. Cell ``j``'s midpoint is ``(2n + 18j + 9) /
+  (20n * 10**(bits - 2 - i))``, computed as :func:`_cell_means` does in
+  float32 (exact but for one rounding), the arithmetic :func:`code_value`
+  decodes with (bitsandbytes computes the steps in float32 with torch's
+  ``linspace``, whose values depend on the CPU's vector width: its 8-bit
+  maps and these differ in some entries by one or two units in the last
+  place).
 
   Args:
     signed: the signed map (-0.993 to 1 in 8 bits) or the unsigned one (0
@@ -49,13 +50,31 @@ def dynamic_map(signed: bool, bits: int = 8) -> np.ndarray:
   Returns:
     A float32 NumPy array of ``2**bits`` increasing values.
   """
-  values = [0.0, 1.0]
+  values = [np.float32(0.0), np.float32(1.0)]
   for i in range(bits - 1):
-    n = 2 ** (i if signed else i + 1)
-    edges = np.linspace(0.1, 1.0, n + 1)
-    means = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - bits + 2)
+    e = i if signed else i + 1
+    n = 2**e
+    means = _cell_means(np.arange(n), e, _decade_factor(i, bits))
     values += list(means) + (list(-means) if signed else [])
-  return np.sort(np.array(values)).astype(np.float32)
+  return np.sort(np.array(values, np.float32))
+
+
+def _decade_factor(i: int, bits: int = 8) -> np.float32:
+  """``1 / (20 * 10**(bits - 2 - i))`` in float32: decade ``i``'s factor."""
+  return np.float32(1.0 / (20 * 10 ** (bits - 2 - i)))
+
+
+def _cell_means(j, e, factor):
+  """Cell ``j``'s value in a decade of ``n = 2**e`` cells, NumPy or JAX:
+  ``(2n + 18j + 9) / n`` (exact: an integer below ``2**24`` times a power
+  of two) times the decade's factor, one rounding. Multiplications only:
+  XLA fuses them into every consumer of the decoded state, where it would
+  compute a division once and store it."""
+  if isinstance(j, np.ndarray):
+    m = 2 * 2**e + 18 * j + 9
+    return m.astype(np.float32) * np.float32(2.0**-e) * factor
+  m = 2 * jnp.left_shift(1, e) + 18 * j + 9
+  return m.astype(_F32) * _pow2(-e) * factor
 
 
 def thresholds(code: np.ndarray) -> np.ndarray:
@@ -66,13 +85,6 @@ def thresholds(code: np.ndarray) -> np.ndarray:
   t = mid.astype(np.float32)
   t = np.where(t.astype(np.float64) > mid, t, np.nextafter(t, np.float32(np.inf)))
   return np.append(t, np.float32(np.inf)).astype(np.float32)
-
-
-@functools.cache
-def tables() -> tuple[np.ndarray, np.ndarray]:
-  """The two maps, signed then unsigned (512 values), and their thresholds."""
-  codes = [dynamic_map(True), dynamic_map(False)]
-  return np.concatenate(codes), np.concatenate([thresholds(c) for c in codes])
 
 
 # --------------------------------------------------------------------------
@@ -140,43 +152,103 @@ jax.tree_util.register_dataclass(
 
 
 _DECADES = np.float32(10.0) ** np.arange(-7, 0, dtype=np.float32)  # 1e-7 ... 0.1
-_TO_UNIT = np.array([10.0 ** (6 - i) for i in range(7)], np.float32)
+_POW10 = [np.float32(10.0**k) for k in range(7)]
+_FACTORS = [_decade_factor(i) for i in range(7)]
 
 
-def _lookup(table: np.ndarray, idx: jax.Array) -> jax.Array:
-  """``table[idx]`` for a small constant table, in ``idx``'s sharding (under
-  explicit sharding a gather must be told where its result lies)."""
-  table = jnp.asarray(table)
-  if _tree.explicit_spec(idx) is None:
-    return table[idx]
-  return table.at[idx].get(out_sharding=jax.typeof(idx).sharding)
+def _pick(i: jax.Array, values: list) -> jax.Array:
+  """``values[i]`` for a short list of float32 constants, as a chain of
+  selects: elementwise, so XLA fuses it into every consumer, where a
+  gather from a table stops fusion (the dequantised state would then be
+  written out in float32 and read back: BENCHMARKS.md, 8-bit state)."""
+  out = jnp.where(i == len(values) - 1, values[-1], values[-1])
+  for k in range(len(values) - 2, -1, -1):
+    out = jnp.where(i == k, values[k], out)
+  return out
 
 
-def nearest_code(s: jax.Array, signed: jax.Array, thresholds: np.ndarray) -> jax.Array:
+def _top_bit(t: jax.Array) -> jax.Array:
+  """``floor(log2(t))`` of int32 ``t`` in [1, 2**24] (0 for ``t`` below 1),
+  from float32's exponent field: exact, and vectorised where a
+  count-leading-zeros instruction may not be."""
+  bits = jax.lax.bitcast_convert_type(jnp.maximum(t, 1).astype(_F32), jnp.int32)
+  return jnp.right_shift(bits, 23) - 127
+
+
+def code_value(c: jax.Array, signed: jax.Array) -> jax.Array:
+  """The value of code ``c`` (int32, 0 to 255) in the signed or unsigned
+  8-bit map, :func:`dynamic_map`'s entry ``c``, from the code's structure.
+
+  A signed map's codes ``127 ± r`` hold ``±`` its ``r``-th magnitude and an
+  unsigned map's code ``r - 1`` its ``r``-th; the ``r``-th magnitude
+  (``r >= 1``) lies in decade ``i = e - u`` (``e``: the top bit of ``r``,
+  ``u``: 1 for the unsigned map), cell ``j = r - 2**e`` of ``n = 2**e``,
+  and is ``(2n + 18j + 9) / (20n * 10**(6 - i))`` (:func:`_cell_means`);
+  0 and the top code's 1 are set apart.
+  """
+  c = c.astype(jnp.int32)
+  u = jnp.where(signed, 0, 1)
+  r = jnp.where(signed, c - 127, c + 1)
+  t = jnp.abs(r)
+  e = _top_bit(t)
+  i = e - u
+  v = _cell_means(t - jnp.left_shift(1, e), e, _pick(i, _FACTORS))
+  v = jnp.where((t == 0) | (i < 0), 0.0, v)
+  v = jnp.where(c == 255, 1.0, v)
+  return jnp.where(r < 0, -v, v)
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``a + b`` as ``(sum, err)`` with ``sum + err`` exact (Knuth's two-sum)."""
+  total = a + b
+  bv = total - a
+  return total, (a - (total - bv)) + (b - bv)
+
+
+def _pow2(e: jax.Array) -> jax.Array:
+  """``2.0**e`` for int32 ``e`` in [-126, 127], from the exponent field."""
+  return jax.lax.bitcast_convert_type(jnp.left_shift(e + 127, 23), _F32)
+
+
+def nearest_code(s: jax.Array, signed: jax.Array) -> jax.Array:
   """The index of the nearest value of the map (signed or not) to ``s`` in
-  [-1, 1], from the map's structure and two of its thresholds.
+  [-1, 1] (a value exactly halfway between two rounds down; NaN to 0's
+  code), from the map's structure.
 
   A magnitude ``a`` in decade ``i`` (``[1e-7, 1e-6) * 10**i``) lies in one
   of the decade's ``n`` equal cells of ``[0.1, 1] * 10**(i - 6)``, whose
   midpoint is a code; a cell's edges are its codes' midpoints, so the
   nearest code is the cell's, or (at a decade's edge, or where float32
-  puts ``a`` in the neighbouring cell) the next one either way: comparing
-  ``s`` with the thresholds on both sides of the candidate settles it.
+  puts ``a`` in the neighbouring cell) its neighbour on ``s``'s side:
+  comparing ``s`` with their exact midpoint (``2s`` against the two-sum
+  of the two values) settles it. The candidate's value is computed as
+  :func:`code_value` computes it, from its decade and cell.
   """
   u = jnp.where(signed, 0, 1).astype(jnp.int32)  # 2**(i + u) codes in decade i
   a = jnp.abs(s)
-  decade = sum((a >= t).astype(jnp.int32) for t in _DECADES)  # 0: below 1e-7
-  i = jnp.maximum(decade - 1, 0)
-  n = jnp.left_shift(1, i + u)
-  cell = jnp.floor((a * _lookup(_TO_UNIT, i) - 0.1) * n.astype(_F32) / 0.9)
-  cell = jnp.clip(cell.astype(jnp.int32), 0, n - 1)
-  rank = jnp.where(decade > 0, 1 + (jnp.left_shift(1, i + u) - (1 << u)) + cell, 0)
+  # One chain over the decades' lower edges: a's decade and its factors.
+  i, factor, to_unit = jnp.int32(0), _FACTORS[0], _POW10[6]
+  for k in range(1, 7):
+    ge = a >= _DECADES[k]
+    i = jnp.where(ge, k, i)
+    factor = jnp.where(ge, _FACTORS[k], factor)
+    to_unit = jnp.where(ge, _POW10[6 - k], to_unit)
+  low = ~(a >= _DECADES[0])  # below 1e-7 (or NaN): 0's code
+  e = i + u
+  n = _pow2(e)
+  cell = jnp.clip(jnp.floor((a * to_unit - 0.1) * n * np.float32(1 / 0.9)), 0.0, n - 1)
+  mag = jnp.where(low, 0.0, (2 * n + 18 * cell + 9) * _pow2(-e) * factor)
+  rank = jnp.where(
+    low, 0, jnp.left_shift(1, e) - jnp.left_shift(1, u) + 1 + cell.astype(jnp.int32)
+  )
   zero = jnp.where(signed, 127, 0)
   c = jnp.where(s < 0, zero - rank, zero + rank)
-  base = jnp.where(signed, 0, 256)
-  up = _lookup(thresholds, base + c) <= s
-  down = (c > 0) & (_lookup(thresholds, base + jnp.maximum(c - 1, 0)) > s)
-  return c + up.astype(jnp.int32) - down.astype(jnp.int32)
+  v = jnp.where(s < 0, -mag, mag)
+  up = s > v  # the neighbour to compare with: above, or else below
+  total, err = _two_sum(v, code_value(jnp.where(up, c + 1, c - 1), signed))
+  above = 2.0 * s - total > err  # s above the exact midpoint
+  move = jnp.where(up, above & (c < 255), ~above & (c > 0) & (s == s))
+  return c + jnp.where(move, jnp.where(up, 1, -1), 0)
 
 
 def _stochastic(s: jax.Array, signed: jax.Array, nearest: jax.Array) -> jax.Array:
@@ -185,12 +257,10 @@ def _stochastic(s: jax.Array, signed: jax.Array, nearest: jax.Array) -> jax.Arra
   their gap (so the code's value is ``s`` on average); ``nearest`` is its
   nearest code. The random numbers are :func:`rounding.uniform_of` of
   ``s``."""
-  code = tables()[0]
-  base = jnp.where(signed, 0, 256)
-  v = _lookup(code, base + nearest)
+  v = code_value(nearest, signed)
   lo = jnp.where(v <= s, nearest, jnp.maximum(nearest - 1, 0))
   hi = jnp.minimum(lo + 1, 255)
-  v_lo, v_hi = _lookup(code, base + lo), _lookup(code, base + hi)
+  v_lo, v_hi = code_value(lo, signed), code_value(hi, signed)
   gap = v_hi - v_lo
   p = jnp.where(gap > 0, (s - v_lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
   return lo + (_rounding.uniform_of(s) < p).astype(jnp.int32)
@@ -203,19 +273,43 @@ def encode(
   block's map (a value exactly halfway between two rounds down), or with
   ``stochastic`` to one of the two around it at random (:func:`_stochastic`);
   with ``sqrt``, a block that is all ``>= 0`` as its square roots."""
-  thresholds = tables()[1]
-  b, k = _blocked(x.astype(_F32), block_size)
+  return encode_many([x], block_size, sqrt, stochastic)[0]
+
+
+def encode_many(
+  xs: list, block_size: int, sqrt: bool = True, stochastic: bool = False
+) -> list:
+  """:func:`encode` of each of ``xs``, arrays of one shape (and sharding),
+  whose blocks' extremes one reduction finds: it reads what the arrays are
+  computed from (a gradient, Adam's two moments) once, not once an array
+  (BENCHMARKS.md, 8-bit state)."""
+  blocked = [_blocked(x.astype(_F32), block_size) for x in xs]
   # One pass over each block finds both its least value (a block with one
   # below 0 uses the signed map) and its largest (NaN counted as an
   # infinity: XLA's max reductions may drop a NaN); the largest magnitude
   # follows from the two, and for a block stored as square roots it is
   # the root of the largest value.
-  lo, hi = jax.lax.reduce(
-    (b, jnp.where(jnp.isnan(b), jnp.inf, b)),
-    (np.float32(np.inf), np.float32(-np.inf)),
-    lambda x, y: (jnp.minimum(x[0], y[0]), jnp.maximum(x[1], y[1])),
-    (b.ndim - 1,),
+  operands = [v for b, _ in blocked for v in (b, jnp.where(jnp.isnan(b), jnp.inf, b))]
+  extremes = jax.lax.reduce(
+    tuple(operands),
+    (np.float32(np.inf), np.float32(-np.inf)) * len(xs),
+    lambda x, y: tuple(
+      (jnp.minimum if k % 2 == 0 else jnp.maximum)(a, c)
+      for k, (a, c) in enumerate(zip(x, y, strict=True))
+    ),
+    (blocked[0][0].ndim - 1,),
   )
+  return [
+    _encode_blocks(
+      x, b, k, extremes[2 * n], extremes[2 * n + 1], block_size, sqrt, stochastic
+    )
+    for n, (x, (b, k)) in enumerate(zip(xs, blocked, strict=True))
+  ]
+
+
+def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLeaf:
+  """``x`` (blocked as ``b`` from axis ``k``) quantised, given each block's
+  least and largest values."""
   lo, hi = lo[..., None], hi[..., None]
   signed = lo < 0
   absmax = jnp.where(signed, jnp.maximum(-lo, hi), jnp.sqrt(hi) if sqrt else hi)
@@ -223,7 +317,7 @@ def encode(
     b = jnp.where(signed, b, jnp.sqrt(jnp.where(signed, 0.0, b)))
   inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0).astype(_F32)
   s = jnp.clip(b * inv, -1.0, 1.0)
-  idx = nearest_code(s, signed, thresholds)
+  idx = nearest_code(s, signed)
   if stochastic:
     idx = _stochastic(s, signed, idx)
   codes = idx.astype(jnp.uint8).reshape(*x.shape[:k], -1)
@@ -235,10 +329,9 @@ def encode(
 def _decode(q: QuantizedLeaf) -> jax.Array:
   """float32 values of ``q``'s codes in the maps its scales' signs select
   (squared for an unsigned block stored as square roots)."""
-  code = tables()[0]
   c, k = _blocked(q.codes.astype(jnp.int32), q.block_size)
   unsigned = (q.scales >= 0)[..., None]
-  v = _lookup(code, jnp.where(unsigned, 256, 0) + c) * jnp.abs(q.scales)[..., None]
+  v = code_value(c, ~unsigned) * jnp.abs(q.scales)[..., None]
   if q.sqrt:
     v = jnp.where(unsigned, v * v, v)
   v = v.reshape(*q.codes.shape[:k], -1)[..., : math.prod(q.codes.shape[k:])]

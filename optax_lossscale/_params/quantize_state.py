@@ -41,6 +41,7 @@ from optax_lossscale._params.quantize_codec import (
   QuantizedLeaf,
   dynamic_map,
   encode,
+  encode_many,
 )
 
 __all__ = [
@@ -229,14 +230,27 @@ def quantize_state(
     shapes = {tuple(p.shape) for p in jax.tree.leaves(params) if _tree.is_array(p)}
     return QuantizedState(quantized(inner_state, shapes))
 
-  def requantized(template, new_state):
-    """``new_state`` quantised where ``template`` (the old state) was."""
-    t_flat, treedef = jax.tree.flatten(template, is_leaf=_is_quantized)
-    n_flat = treedef.flatten_up_to(new_state)
-    out = [
-      encode(n, block_size, store_sqrt, stochastic) if _is_quantized(t) else n
-      for t, n in zip(t_flat, n_flat, strict=True)
-    ]
+  def requantized(template, new_state, like):
+    """``new_state`` quantised where ``template`` (the old state) was; the
+    leaves that belong to one parameter (Adam's ``mu`` and ``nu`` of it:
+    their paths end in its path) are encoded together (:func:`encode_many`)."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(
+      template, is_leaf=_is_quantized
+    )
+    out = treedef.flatten_up_to(new_state)
+    owners = {p for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]}
+    groups: dict = {}
+    for i, (path, t) in enumerate(with_paths):
+      if _is_quantized(t):
+        owner = next(
+          (path[k:] for k in range(len(path) + 1) if path[k:] in owners), path
+        )
+        key = (owner, tuple(out[i].shape), _tree.explicit_spec(out[i]))
+        groups.setdefault(key, []).append(i)
+    for idx in groups.values():
+      leaves = encode_many([out[i] for i in idx], block_size, store_sqrt, stochastic)
+      for i, q in zip(idx, leaves, strict=True):
+        out[i] = q
     return jax.tree.unflatten(treedef, out)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -245,7 +259,7 @@ def quantize_state(
     _check_layout(jax.eval_shape(init_fn, like), state)
     inner_state = _dequantized(state.inner_state, cast=True)
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
-    return new_updates, QuantizedState(requantized(state.inner_state, new_inner))
+    return new_updates, QuantizedState(requantized(state.inner_state, new_inner, like))
 
   return QuantizeState(
     init_fn,
