@@ -417,3 +417,46 @@ def test_the_4bit_simulation_holds_what_the_8bit_codec_stores():
   np.testing.assert_array_equal(got, want)
   for m in sim.FOUR:
     assert m.shape == (16,) and m[-1] == 1 and np.all(np.diff(m) > 0)
+
+
+@versions.examples
+def test_the_8bit_bytes_by_part_add_up_to_the_state():
+  """``quantize_state.py``'s table of bytes by part: each setup's parts are
+  its state's bytes, put where they belong (codes and float32 moments as
+  moments, scales, remainders as masters, the rest as other)."""
+  sys.path.insert(0, _BENCH)
+  try:
+    qs = importlib.import_module("quantize_state")
+  finally:
+    sys.path.remove(_BENCH)
+  import optax
+
+  import optax_lossscale as ols
+
+  p32 = {"w": jnp.ones((64, 128)), "b": jnp.ones((16,))}
+  p16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), p32)
+  blocks = 64 * 128 // 256
+  small = 2 * 16 * 4 + 4  # the bias's two float32 moments and the count
+  cases = [
+    (optax.adam(1e-3), p32, dict(masters=0, moments=2 * 8192 * 4, scales=0)),
+    (
+      ols.quantize_state(optax.adam(1e-3)),
+      p32,
+      dict(masters=0, moments=2 * 8192, scales=2 * blocks * 4),
+    ),
+    (
+      ols.master_weights(ols.quantize_state(optax.adam(1e-3))),
+      p16,
+      dict(masters=2 * (8192 + 16), moments=2 * 8192, scales=2 * blocks * 4),
+    ),
+  ]
+  rows = []
+  for tx, params, want in cases:
+    state = tx.init(params)
+    parts = qs._parts(state)
+    assert parts == {**want, "other": small}
+    assert sum(parts.values()) == sum(x.nbytes for x in jax.tree.leaves(state))
+    rows.append(("setup", sum(x.nbytes for x in jax.tree.leaves(params)), parts))
+  table = qs.parts_table(rows, 8192 + 16)
+  assert table.count("| setup |") == 4  # the header and the three rows
+  assert all(name in table for name, _ in qs.PUBLISHED)
