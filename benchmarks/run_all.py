@@ -128,8 +128,7 @@ QUESTIONS = {
   ),
   "quantize_state": (
     "8-bit optimizer state",
-    ["quantize_state.py", "--models", "mlp", "--seeds", "2"]
-    + ["--mlp-steps", "1000", "--lm-steps", "100", "--calls", "5"],
+    ["quantize_state.py"],
     ["quantize_state.py", "--quick"],
     "md",
   ),
@@ -284,9 +283,11 @@ def fill(path, sections, partial=False):
   if not keys or unknown:
     raise SystemExit(f"{path}: no run_all blocks, or keys not run: {unknown}")
   text = BLOCK.sub(
-    lambda m: m.group(1)
-    + (sections[m.group(2)] + "\n" if m.group(2) in sections else m.group(3))
-    + m.group(4),
+    lambda m: (
+      m.group(1)
+      + (sections[m.group(2)] + "\n" if m.group(2) in sections else m.group(3))
+      + m.group(4)
+    ),
     text,
   )
   with open(path, "w") as f:
@@ -318,9 +319,13 @@ def main(argv=None):
   reports = dict(r.split("=", 1) for r in args.report if "=" in r)
   unknown = sorted((set(keys) | set(reports)) - set(QUESTIONS))
   if unknown or len(reports) != len(args.report):
-    p.error(f"unknown keys {unknown}, or a --report not KEY=PATH; keys: {list(QUESTIONS)}")
+    p.error(
+      f"unknown keys {unknown}, or a --report not KEY=PATH; keys: {list(QUESTIONS)}"
+    )
   if set(reports) - set(keys) or set(reports) - set(DIGEST_SECTIONS):
-    p.error(f"--report: a question that is not run, or not one of {sorted(DIGEST_SECTIONS)}")
+    p.error(
+      f"--report: a question that is not run, or not one of {sorted(DIGEST_SECTIONS)}"
+    )
   if args.write and args.quick:
     p.error("--quick numbers mean nothing: not written with --write")
   dirty = git("status", "--porcelain", "--untracked-files=no")
@@ -382,7 +387,9 @@ def main(argv=None):
       block = f"Made by `{shown}` at commit `{info['commit']}`.\n\n{text}"
     if failure:
       failed.append(key)
-      block = f"Made by `{shown}` at commit `{info['commit']}`.\n\n**failed**: {failure}."
+      block = (
+        f"Made by `{shown}` at commit `{info['commit']}`.\n\n**failed**: {failure}."
+      )
     sections[key] = block
     md += [f"## {QUESTIONS[key][0]}", "", sections[key], ""]
     with open(os.path.join(args.out, "tables.md"), "w") as f:

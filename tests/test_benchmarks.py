@@ -459,4 +459,6 @@ def test_the_8bit_bytes_by_part_add_up_to_the_state():
     rows.append(("setup", sum(x.nbytes for x in jax.tree.leaves(params)), parts))
   table = qs.parts_table(rows, 8192 + 16)
   assert table.count("| setup |") == 4  # the header and the three rows
+  again = qs.parts_table(rows + rows[1:2], 8192 + 16)  # a repeated storage
+  assert again == table
   assert all(name in table for name, _ in qs.PUBLISHED)
