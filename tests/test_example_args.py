@@ -41,6 +41,8 @@ CASES = [
   ("train_digits", "--steps 0", "argument --steps: must be an integer >= 1"),
   ("train_digits", "--batch -5", "argument --batch: must be an integer >= 1"),
   ("train_digits", "--lr 0", "argument --lr: must be a finite number > 0"),
+  ("train_digits_8bit", "--steps 0", "argument --steps: must be an integer >= 1"),
+  ("train_digits_8bit", "--lr -1", "argument --lr: must be a finite number > 0"),
   ("mixed_precision", "--steps 0", "argument --steps: must be an integer >= 1"),
   ("flax_linen", "--log-every 0", "--log-every: must be an integer >= 1"),
   ("flax_nnx", "--batch 0", "argument --batch: must be an integer >= 1"),

@@ -56,6 +56,30 @@ def test_train_digits_example(tmp_path):
 
 
 @pytest.mark.slow
+def test_train_digits_8bit_example():
+  stdout = run_example("train_digits_8bit.py", "--steps", 150)
+  rows = {}
+  for line in stdout.splitlines():
+    m = re.match(
+      r"^(float32 Adam|8-bit Adam|bf16 \+ masters \+ 8-bit)\s+([\d.]+)\s+([\d.]+)\s+"
+      r"([\d.]+)\s+([+-][\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$",
+      line,
+    )
+    if m:
+      rows[m.group(1)] = [float(v) for v in m.groups()[1:]]
+  assert set(rows) == {"float32 Adam", "8-bit Adam", "bf16 + masters + 8-bit"}, stdout
+  for name, (acc, test_loss, _, gap, params, state, total) in rows.items():
+    assert acc > 0.8, (name, acc)  # 10 classes: chance is 0.1
+    assert abs(gap - (test_loss - rows["float32 Adam"][1])) < 2e-4, name
+    assert abs(params + state - total) <= 0.011, name
+  # the bytes: 4 + 8 against 4 + about 2 and 2 + 2 + about 2
+  assert rows["float32 Adam"][4:] == [4.0, 8.0, 12.0]
+  assert rows["8-bit Adam"][4] == 4.0 and 2.0 < rows["8-bit Adam"][5] < 2.5
+  assert rows["bf16 + masters + 8-bit"][4] == 2.0
+  assert rows["bf16 + masters + 8-bit"][6] == rows["8-bit Adam"][6]
+
+
+@pytest.mark.slow
 def test_data_parallel_example():
   # Exits 1 if the devices ever disagreed.
   out = run_example("data_parallel.py", "--steps", 30, "--nan-at", "5,6,20")
