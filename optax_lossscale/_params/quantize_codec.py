@@ -161,7 +161,7 @@ def _pick(i: jax.Array, values: list) -> jax.Array:
   selects: elementwise, so XLA fuses it into every consumer, where a
   gather from a table stops fusion (the dequantised state would then be
   written out in float32 and read back: BENCHMARKS.md, 8-bit state)."""
-  out = jnp.where(i == len(values) - 1, values[-1], values[-1])
+  out = jnp.where(i == 0, values[-1], values[-1])  # in i's shape and sharding
   for k in range(len(values) - 2, -1, -1):
     out = jnp.where(i == k, values[k], out)
   return out
@@ -169,8 +169,7 @@ def _pick(i: jax.Array, values: list) -> jax.Array:
 
 def _top_bit(t: jax.Array) -> jax.Array:
   """``floor(log2(t))`` of int32 ``t`` in [1, 2**24] (0 for ``t`` below 1),
-  from float32's exponent field: exact, and vectorised where a
-  count-leading-zeros instruction may not be."""
+  from float32's exponent field (exact)."""
   bits = jax.lax.bitcast_convert_type(jnp.maximum(t, 1).astype(_F32), jnp.int32)
   return jnp.right_shift(bits, 23) - 127
 
