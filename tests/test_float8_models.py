@@ -89,7 +89,9 @@ def test_every_matmul_has_float8_operands_forward_and_backward(name):
     # A tiny dot multiplies the float8 values in float32 (exact), where XLA's
     # GPU backend would multiply them in float16 (inexact); the others
     # multiply float8 arrays.
-    tiny = _float8.small(*(v.aval.shape for v in e.invars), e.params["dimension_numbers"])
+    tiny = _float8.small(
+      *(v.aval.shape for v in e.invars), e.params["dimension_numbers"]
+    )
     operands = {v.aval.dtype for v in e.invars}
     dtypes = {quantised(v) for v in e.invars}
     if tiny:

@@ -237,6 +237,8 @@ def test_a_run_that_counts_nothing_is_reported(tmp_path):
   )
   assert r["returncode"] != 0
   assert (r["passed"], r["failed"], r["errors"]) == (0, 0, 0)
-  text = "\n".join(gpu_tests.tests_lines(r, ["tests/test_policy.py"], "cpu", False, "log", 0))
+  text = "\n".join(
+    gpu_tests.tests_lines(r, ["tests/test_policy.py"], "cpu", False, "log", 0)
+  )
   assert "wrote no JUnit XML" in text
   assert f"| {r['returncode']} |" in text

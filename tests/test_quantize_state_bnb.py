@@ -57,7 +57,9 @@ def test_the_maps_are_bitsandbytes_within_two_units_in_the_last_place(bits):
     theirs = bnb.functional.create_dynamic_map(
       signed=signed, max_exponent_bits=bits - 1, total_bits=bits
     ).numpy()
-    theirs = np.sort(np.r_[np.unique(theirs), np.zeros(2**bits - len(np.unique(theirs)))])
+    theirs = np.sort(
+      np.r_[np.unique(theirs), np.zeros(2**bits - len(np.unique(theirs)))]
+    )
     assert ours.shape == theirs.shape == (2**bits,)
     ulps = np.abs(ours - theirs) / np.spacing(np.abs(theirs).astype(np.float32))
     assert ulps.max() <= 2

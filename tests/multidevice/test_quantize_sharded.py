@@ -151,7 +151,9 @@ def test_stochastic_rounding_sharded_equals_one_device(mode):
   sharded = run(mode, rounding="stochastic")
   assert_bitwise_equal(sharded, run(None, rounding="stochastic"))
   nearest = run(None)
-  codes = lambda h: [x.codes for x in jax.tree.leaves(  # noqa: E731
-    h[-1][1], is_leaf=lambda x: isinstance(x, ols.QuantizedLeaf)
-  ) if isinstance(x, ols.QuantizedLeaf)]
-  assert any(not np.array_equal(a, b) for a, b in zip(codes(sharded), codes(nearest)))
+  is_q = lambda x: isinstance(x, ols.QuantizedLeaf)  # noqa: E731
+  codes = lambda h: [
+    x.codes for x in jax.tree.leaves(h[-1][1], is_leaf=is_q) if is_q(x)
+  ]  # noqa: E731
+  pairs = zip(codes(sharded), codes(nearest), strict=True)
+  assert any(not np.array_equal(a, b) for a, b in pairs)
