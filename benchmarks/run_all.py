@@ -221,17 +221,27 @@ def question(key, quick, out_dir, timeout):
 DIGEST_SECTIONS = {"gpu_report": ("3.", "4.")}
 
 
+#: Lines of a digested report that say how it was made rather than what it
+#: measured (the report keeps them): a section's call, a list of the rows'
+#: code, the per-recipe count of the forward pass's matmuls.
+DIGEST_DROP = re.compile(
+  r"^(`[\w.]+\(.*\)`.*|- .*|\S+ matmuls of the forward pass .*|"
+  r"(Section|Total) wall time: .*)\n",
+  re.M,
+)
+
+
 def digest(key, text):
   """The part of a question's report that its block holds.
 
   For a question in :data:`DIGEST_SECTIONS`: those ``## `` sections, one
-  heading level down, without ``<details>`` listings and wall-time lines;
-  otherwise ``text`` itself.
+  heading level down, without ``<details>`` listings and the lines
+  :data:`DIGEST_DROP` matches; otherwise ``text`` itself.
   """
   if key not in DIGEST_SECTIONS:
     return text
   text = re.sub(r"<details>.*?</details>\n*", "", text, flags=re.S)
-  text = re.sub(r"^(Section|Total) wall time: .*\n", "", text, flags=re.M)
+  text = DIGEST_DROP.sub("", text)
   parts = re.split(r"^## ", text, flags=re.M)[1:]
   kept = ["### " + p.strip("\n") for p in parts if p.startswith(DIGEST_SECTIONS[key])]
   return re.sub(r"\n{3,}", "\n\n", "\n\n".join(kept))

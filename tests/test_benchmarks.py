@@ -331,6 +331,8 @@ Made by `python benchmarks/gpu_report.py --out r.md`.
 
 ## 3. bench.py tables
 
+`update_step.headline(calls=30)`.
+
 | step | time |
 | --- | ---: |
 | adam | 1 ms |
@@ -342,6 +344,10 @@ Section wall time: 4.0 s.
 | precision | step |
 | --- | ---: |
 | float8 | 2 ms |
+
+- float8: `ols.autocast(loss_fn, matmul="float8")`
+
+float8 matmuls of the forward pass (`ols.list_matmuls`): 49 in float8, of 49.
 
 <details><summary>each matmul</summary>
 
@@ -364,9 +370,17 @@ def test_run_all_takes_a_report_made_elsewhere(run_all, tmp_path):
     "NVIDIA H200.\n\n### 3. bench.py tables\n"
   )
   # The tables of sections 3 and 4; not the environment, the tests, the
-  # listings or the wall times.
+  # listings, the wall times, how a section was called, the recipes' code
+  # or the count of each recipe's matmuls.
   assert "| adam | 1 ms |" in block and "| float8 | 2 ms |" in block
-  for gone in ("| passed |", "device kind |", "a long listing", "wall time"):
+  gone_lines = ("headline(", "- float8:", "matmuls of the forward pass")
+  for gone in (
+    "| passed |",
+    "device kind |",
+    "a long listing",
+    "wall time",
+    *gone_lines,
+  ):
     assert gone not in block, gone
   path.write_text(_REPORT.format(commit="abc1234 + uncommitted changes"))
   assert "uncommitted" in run_all.from_report("gpu_report", str(path), False)[2]
