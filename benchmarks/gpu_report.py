@@ -10,7 +10,8 @@ minutes and writes ``--out`` (default ``benchmarks/out/gpu_report.md``):
    JUnit XML are written beside the report.
 3. ``bench.py``'s update-step and train-step tables, made by
    ``update_step.py``'s and ``train_step.py``'s functions (peers whose
-   package is missing are left out, saying so).
+   package is missing are left out, saying so), and the 8-bit optimizer
+   state's update step on the same workload (``quantize_state.py``).
 4. The train step of a decoder-only transformer (float32 model, plain JAX)
    in four precisions: float32; bfloat16 (``ols.autocast``); float16
    (``ols.autocast``), whose loss needs ``dynamic_loss_scale``; float8
@@ -58,6 +59,7 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]  # the harness; optax_lossscale, also when not installed
 
 import jax  # noqa: E402
+import quantize_state  # noqa: E402
 import train_step  # noqa: E402
 import update_step  # noqa: E402
 from _harness import details, error_text, machine  # noqa: E402
@@ -193,6 +195,22 @@ def bench_update_step(args):
   if missing:
     head.append(f"Left out (package not installed): the rows of {', '.join(missing)}.")
   return [*head, "", *lines]
+
+
+def bench_quantize_state(args):
+  table = quantize_state.update_costs(
+    args.bench_calls,
+    args.bench_rounds,
+    args.bench_layers,
+    args.bench_width,
+    by_part=False,
+  )
+  head = (
+    f"`quantize_state.update_costs(calls={args.bench_calls}, "
+    f"rounds={args.bench_rounds}, n_layers={args.bench_layers}, "
+    f"width={args.bench_width}, by_part=False)`."
+  )
+  return [head, "", *table.splitlines()]
 
 
 def bench_train_step(args):
@@ -356,6 +374,10 @@ def main(argv=None):
         "### Train step",
         "",
         *_guarded(lambda: bench_train_step(args)),
+        "",
+        "### 8-bit optimizer state",
+        "",
+        *_guarded(lambda: bench_quantize_state(args)),
       ],
     )
   if "transformer" in args.sections:

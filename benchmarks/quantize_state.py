@@ -206,9 +206,10 @@ def parts_table(rows, n) -> str:
   return "\n".join(lines)
 
 
-def update_costs(calls, rounds):
-  """The update step of each configuration on bench.py's 8.4M parameters."""
-  params32 = w.layers()
+def update_costs(calls, rounds, n_layers=16, width=512, by_part=True):
+  """The update step of each configuration on bench.py's workload (by default
+  its 8.4M parameters), and with ``by_part`` each setup's bytes by part."""
+  params32 = w.layers(n_layers, width)
   n = sum(p.size for p in jax.tree.leaves(params32))
   grads = w.grads_like(params32)
   entries, bytes_, parts = [], [], []
@@ -241,7 +242,7 @@ def update_costs(calls, rounds):
       f"{r['temp_bytes'] / 1e6:.1f} MB | {r['median_s'] * 1e3:.2f} ms | "
       f"{r['median_s'] / ref['median_s']:.2f}x |"
     )
-  return "\n".join(rows) + "\n\n" + parts_table(parts, n)
+  return "\n".join(rows) + ("\n\n" + parts_table(parts, n) if by_part else "")
 
 
 def _roundtrip(x, root):
