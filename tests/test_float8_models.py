@@ -109,7 +109,11 @@ def test_every_matmul_has_float8_operands_forward_and_backward(name):
       continue  # a call, loop or custom_vjp: its body's equations are checked
     if e.primitive.name == "conv_general_dilated":
       assert {v.aval.dtype for v in e.invars} == {jnp.dtype(jnp.bfloat16)}
-    elif e.primitive.name not in ("dot_general", "convert_element_type"):
+    elif e.primitive.name not in (
+      "dot_general",
+      "convert_element_type",
+      "optimization_barrier",  # before a tiny dot's widening (_lowbit.exact)
+    ):
       assert not any(
         getattr(v, "aval", None) is not None and v.aval.dtype in (E4M3, E5M2)
         for v in (*e.invars, *e.outvars)

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale._lowbit import exact as _exact
 from optax_lossscale._lowbit import layout as _layout
 from optax_lossscale._params import rounding as _rounding
 
@@ -169,7 +170,7 @@ def scaled_elements(q: BlockQuantized, dtype: Any) -> jax.Array:
   the order of their sums.
   """
   block = FORMATS[q.fmt].block
-  e = q.elements.astype(_F32)
+  e = _exact.widen(q.elements, _F32)
   if q.tile_axis is None:
     e = _layout.blocks(e, q.axis, block)
     s = jnp.moveaxis(q.scales, q.axis, -1)[..., None]
@@ -180,7 +181,7 @@ def scaled_elements(q: BlockQuantized, dtype: Any) -> jax.Array:
     bits = lax.bitcast_convert_type(s, jnp.uint8).astype(jnp.int32)
     v = jnp.where(bits == 0xFF, jnp.nan, _ldexp(e, bits - 127))
   else:
-    v = e * s.astype(_F32)
+    v = e * _exact.widen(s, _F32)
   v = v.astype(dtype)
   if q.tile_axis is None:
     return _layout.unblocks(v, q.axis, q.shape[q.axis])
@@ -332,8 +333,9 @@ def block_quantize(
     decode = jnp.float32(1.0) / encode
     global_scale = jnp.where(jnp.isfinite(tensor_amax), decode, jnp.nan).astype(_F32)
     s = jnp.minimum(amax * (encode * jnp.float32(1.0 / 6.0)), jnp.float32(448.0))
-    s = jnp.where(bad, jnp.nan, s.astype(scale_dtype).astype(_F32)).astype(scale_dtype)
-    s32 = s.astype(_F32)
+    s = jnp.where(bad, jnp.nan, _exact.widen(s.astype(scale_dtype), _F32))
+    s = s.astype(scale_dtype)
+    s32 = _exact.widen(s, _F32)
     multiplier = jnp.minimum(jnp.float32(1.0) / (s32 * decode), _F32_MAX)
     v = jnp.where(bad, 0.0, jnp.clip(b * multiplier, -6.0, 6.0))
     q = round_e2m1(v, key)
@@ -348,8 +350,8 @@ def block_quantize(
       jnp.nan,
     ).astype(_F32)
     s = (amax / jnp.float32(6.0) / global_scale).astype(scale_dtype)
-    s = jnp.where(bad, jnp.nan, s.astype(_F32)).astype(scale_dtype)
-    s32 = s.astype(_F32)
+    s = jnp.where(bad, jnp.nan, _exact.widen(s, _F32)).astype(scale_dtype)
+    s32 = _exact.widen(s, _F32)
     v = jnp.clip(b / jnp.where(s32 > 0, s32 * global_scale, 1.0), -6.0, 6.0)
     v = jnp.where(s32 > 0, v, 0.0)
     q = round_e2m1(v, key)

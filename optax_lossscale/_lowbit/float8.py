@@ -40,6 +40,7 @@ from jax import lax
 from optax_lossscale._base import dtypes as _dtypes
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._lowbit import block_matmul as _block_matmul
+from optax_lossscale._lowbit import exact as _exact
 
 __all__ = ["Float8Matmul", "as_recipe", "current_scale", "dot_general", "quantize"]
 
@@ -219,7 +220,7 @@ def _scaled_dot(
   pet = _product_dtype(out_dtype, exact_scale)
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
   if small(a.shape, b.shape, dimension_numbers):  # see the module's docstring
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    a, b = _exact.widen(a, jnp.float32), _exact.widen(b, jnp.float32)
   out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet, **kwargs)
   return (out * inverse_scale.astype(pet)).astype(out_dtype)
 
