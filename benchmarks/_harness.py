@@ -268,6 +268,36 @@ def commit(short=True):
   return (rev or "?") + ("+" if dirty else "")
 
 
+def tree():
+  """The git tree id of the checkout's tracked files as they are now.
+
+  Equal to ``git rev-parse COMMIT^{tree}`` of the commit whose files these
+  are, whether or not the checkout's own ``HEAD`` is that commit: a copy of
+  a working tree whose history is older still names its files exactly.
+  Built in a temporary index; ``"?"`` without git.
+  """
+  import tempfile
+
+  with tempfile.TemporaryDirectory() as tmp:
+    env = {**os.environ, "GIT_INDEX_FILE": os.path.join(tmp, "index")}
+    try:
+      for args in (["read-tree", "HEAD"], ["add", "-u"]):
+        subprocess.run(
+          ["git", *args], cwd=ROOT, env=env, capture_output=True, check=True
+        )
+      out = subprocess.run(
+        ["git", "write-tree"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+      )
+    except (OSError, subprocess.CalledProcessError):
+      return "?"
+  return out.stdout.strip() or "?"
+
+
 def machine():
   """``{device, cpu, python, versions, commit}`` of this run."""
   cpu = "unknown CPU"

@@ -62,7 +62,7 @@ import jax  # noqa: E402
 import quantize_state  # noqa: E402
 import train_step  # noqa: E402
 import update_step  # noqa: E402
-from _harness import details, error_text, machine  # noqa: E402
+from _harness import details, error_text, machine, tree  # noqa: E402
 from gpu_tests import run_tests, tests_lines, tests_workers  # noqa: E402
 from gpu_transformer import transformer  # noqa: E402
 
@@ -154,6 +154,7 @@ def environment():
       "commit",
       info["commit"].rstrip("+") + (" + uncommitted changes" if dirty else ""),
     ),
+    ("tree", tree()),
     (
       "jax_default_matmul_precision",
       jax.config.jax_default_matmul_precision or "unset (XLA's default)",

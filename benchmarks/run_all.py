@@ -247,12 +247,25 @@ def digest(key, text):
   return re.sub(r"\n{3,}", "\n\n", "\n\n".join(kept))
 
 
+def commit_of_tree(tree_id):
+  """The short hash of the newest commit of ``HEAD``'s history whose files
+  are the git tree ``tree_id``, or ``None``."""
+  log = subprocess.run(
+    ["git", "log", "--format=%h %T", "HEAD"], capture_output=True, text=True, cwd=ROOT
+  ).stdout
+  return next(
+    (h for h, t in (line.split() for line in log.splitlines()) if t == tree_id), None
+  )
+
+
 def from_report(key, path, allow_dirty):
   """``(command, block text, failure or None)`` of a report made elsewhere.
 
   The command is the report's own (its first ``Made by`` line), the commit
-  and device its environment table's; a report of uncommitted changes is a
-  failure unless ``allow_dirty``.
+  and device its environment table's. A report of uncommitted changes is
+  named by the commit here whose files its ``tree`` row names (a copy of a
+  working tree can carry an older history), else is a failure unless
+  ``allow_dirty``.
   """
   with open(path) as f:
     text = f.read()
@@ -261,11 +274,15 @@ def from_report(key, path, allow_dirty):
   device = re.search(r"^\| device kind \| (.*) \|$", text, re.M)
   if not (made and commit and device):
     return "", "", f"{path} lacks its command, commit or device kind"
-  shown = made.group(1)
-  if "uncommitted" in commit.group(1) and not allow_dirty:
-    return shown, "", f"{path} was made with uncommitted changes"
+  shown, named = made.group(1), commit.group(1)
+  if "uncommitted" in named:
+    tree = re.search(r"^\| tree \| ([0-9a-f]{40}) \|$", text, re.M)
+    named = commit_of_tree(tree.group(1)) if tree else None
+    if named is None and not allow_dirty:
+      return shown, "", f"{path} was made with uncommitted changes"
+    named = named or commit.group(1)
   body = digest(key, text)
-  head = f"Made by `{shown}` at commit `{commit.group(1)}` on {device.group(1)}."
+  head = f"Made by `{shown}` at commit `{named}` on {device.group(1)}."
   return shown, f"{head}\n\n{body}", None
 
 

@@ -388,6 +388,49 @@ def test_run_all_takes_a_report_made_elsewhere(run_all, tmp_path):
   assert run_all.from_report("gpu_report", str(path), False)[2]
 
 
+def _git(repo, *args):
+  return subprocess.run(
+    ["git", *args], cwd=repo, capture_output=True, text=True, check=True
+  ).stdout.strip()
+
+
+def test_a_report_of_uncommitted_changes_is_named_by_its_trees_commit(
+  run_all, tmp_path, monkeypatch
+):
+  """A GPU report made on a copy whose history is older than its files: the
+  ``tree`` row (``_harness.tree``) names the commit here with those files."""
+  harness = importlib.import_module("_harness")
+  repo = tmp_path / "repo"
+  repo.mkdir()
+  _git(repo, "init", "-q")
+  for k, v in (("user.name", "t"), ("user.email", "t@t"), ("commit.gpgsign", "false")):
+    _git(repo, "config", k, v)
+  (repo / "f.py").write_text("a = 1\n")
+  _git(repo, "add", "f.py")
+  _git(repo, "commit", "-qm", "one")
+  old = _git(repo, "rev-parse", "--short", "HEAD")
+  (repo / "f.py").write_text("a = 2\n")  # the copy: old history, new files
+  (repo / "untracked.txt").write_text("not part of the tree\n")
+  monkeypatch.setattr(harness, "ROOT", str(repo))
+  copy_tree = harness.tree()
+  assert _git(repo, "status", "--porcelain", "--untracked-files=no")  # still dirty
+  _git(repo, "commit", "-qam", "two")  # the commit those files are here
+  new = _git(repo, "rev-parse", "--short", "HEAD")
+  assert copy_tree == _git(repo, "rev-parse", "HEAD^{tree}") != _git(
+    repo, "rev-parse", f"{old}^{{tree}}"
+  )
+  monkeypatch.setattr(run_all, "ROOT", str(repo))
+  path = tmp_path / "gpu_report.md"
+  report = _REPORT.format(commit=f"{old} + uncommitted changes")
+  row = f"| commit | {old} + uncommitted changes |\n"
+  path.write_text(report.replace(row, row + f"| tree | {copy_tree} |\n"))
+  shown, block, failure = run_all.from_report("gpu_report", str(path), False)
+  assert failure is None and f"at commit `{new}` on NVIDIA H200" in block
+  # A tree no commit has: refused as before.
+  path.write_text(report.replace(row, row + f"| tree | {'0' * 40} |\n"))
+  assert "uncommitted" in run_all.from_report("gpu_report", str(path), False)[2]
+
+
 def test_run_all_checks_each_report_names_the_run_commit(run_all):
   text = "Machine: cpu; 2 cores; jax 0.1; commit abc1234+.\n\n| a | b |\n"
   assert run_all.strip_machine(text, "abc1234+") == "| a | b |"
