@@ -338,6 +338,11 @@ def test_each_parameters_moments_are_reduced_together_once(store_sqrt):
   assert count(tx) == (len(params), 0)
 
 
+@pytest.mark.skipif(
+  jax.default_backend() != "cpu",
+  reason="XLA:CPU's fusion: a GPU backend stores the new moments between its "
+  "loops (BENCHMARKS.md's GPU report)",
+)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_the_step_reads_less_than_float32_adams(rounding):
   # The decoded moments are never written out in float32: the decoder is
