@@ -416,8 +416,10 @@ def test_a_report_of_uncommitted_changes_is_named_by_its_trees_commit(
   assert _git(repo, "status", "--porcelain", "--untracked-files=no")  # still dirty
   _git(repo, "commit", "-qam", "two")  # the commit those files are here
   new = _git(repo, "rev-parse", "--short", "HEAD")
-  assert copy_tree == _git(repo, "rev-parse", "HEAD^{tree}") != _git(
-    repo, "rev-parse", f"{old}^{{tree}}"
+  assert (
+    copy_tree
+    == _git(repo, "rev-parse", "HEAD^{tree}")
+    != _git(repo, "rev-parse", f"{old}^{{tree}}")
   )
   monkeypatch.setattr(run_all, "ROOT", str(repo))
   path = tmp_path / "gpu_report.md"
