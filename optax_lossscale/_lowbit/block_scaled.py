@@ -333,9 +333,8 @@ def block_quantize(
     decode = jnp.float32(1.0) / encode
     global_scale = jnp.where(jnp.isfinite(tensor_amax), decode, jnp.nan).astype(_F32)
     s = jnp.minimum(amax * (encode * jnp.float32(1.0 / 6.0)), jnp.float32(448.0))
-    s = jnp.where(bad, jnp.nan, _exact.widen(s.astype(scale_dtype), _F32))
-    s = s.astype(scale_dtype)
-    s32 = _exact.widen(s, _F32)
+    s32 = jnp.where(bad, jnp.nan, _exact.widen(s.astype(scale_dtype), _F32))
+    s = s32.astype(scale_dtype)  # exact: s32 holds a float8 value or NaN
     multiplier = jnp.minimum(jnp.float32(1.0) / (s32 * decode), _F32_MAX)
     v = jnp.where(bad, 0.0, jnp.clip(b * multiplier, -6.0, 6.0))
     q = round_e2m1(v, key)
@@ -350,8 +349,8 @@ def block_quantize(
       jnp.nan,
     ).astype(_F32)
     s = (amax / jnp.float32(6.0) / global_scale).astype(scale_dtype)
-    s = jnp.where(bad, jnp.nan, _exact.widen(s, _F32)).astype(scale_dtype)
-    s32 = _exact.widen(s, _F32)
+    s32 = jnp.where(bad, jnp.nan, _exact.widen(s, _F32))
+    s = s32.astype(scale_dtype)  # exact: s32 holds a float8 value or NaN
     v = jnp.clip(b / jnp.where(s32 > 0, s32 * global_scale, 1.0), -6.0, 6.0)
     v = jnp.where(s32 > 0, v, 0.0)
     q = round_e2m1(v, key)
