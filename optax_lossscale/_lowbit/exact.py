@@ -12,10 +12,12 @@ eagerly. Every widening of a quantised value in this package goes through
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 from jax import lax
+from jax.interpreters import ad, batching
 
 
 def widen(x: jax.Array, dtype: Any) -> jax.Array:
@@ -31,4 +33,32 @@ def widen(x: jax.Array, dtype: Any) -> jax.Array:
   >>> f(jnp.float32(0.3))  # float8_e4m3fn's nearest value, also on a GPU
   Array(0.3125, dtype=float32)
   """
+  _complete_barrier_rules()
   return lax.optimization_barrier(x).astype(dtype)
+
+
+@functools.cache
+def _complete_barrier_rules() -> None:
+  """Give the barrier the vmap and derivative rules older JAX lacks.
+
+  JAX 0.4.35, the oldest release this package supports, lowers
+  ``optimization_barrier`` but cannot batch or differentiate it; later
+  releases register exactly these rules (the barrier of the batched values,
+  of the tangents, of the cotangents), and there nothing is changed.
+  """
+  barrier = jax.make_jaxpr(lax.optimization_barrier)(0.0).eqns[0].primitive
+
+  def batch(args, dims, **params):
+    return barrier.bind(*args, **params), dims
+
+  def jvp(primals, tangents):
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return lax.optimization_barrier(primals), lax.optimization_barrier(tangents)
+
+  def transpose(cts, *primals):
+    return lax.optimization_barrier([ad.instantiate_zeros(ct) for ct in cts])
+
+  if barrier not in ad.primitive_jvps:  # then it has none of the three
+    batching.primitive_batchers[barrier] = batch
+    ad.primitive_jvps[barrier] = jvp
+    ad.primitive_transposes[barrier] = transpose
