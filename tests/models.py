@@ -1,4 +1,4 @@
-"""Small Flax models (and a jaxpr walker) the autocast tests rewrite.
+"""Small Flax models the autocast tests rewrite.
 
 Imported by the test modules, which skip without Flax before importing it.
 """
@@ -7,17 +7,6 @@ import jax.numpy as jnp
 import pytest
 
 nn = pytest.importorskip("flax.linen", reason="the models are Flax's")
-
-
-def eqns(jaxpr):
-  """Every equation, recursing into sub-jaxprs."""
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for sub in p if isinstance(p, (tuple, list)) else (p,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from eqns(inner)
 
 
 class MLP(nn.Module):

@@ -11,8 +11,8 @@ from jax.sharding import PartitionSpec as P
 import optax_lossscale as ols
 
 pytest.importorskip("flax", reason="the models autocast is tested on are Flax's")
+from jaxprs import eqns as _eqns  # noqa: E402
 from models import CNN, MLP, Attention, ScanRemat  # noqa: E402
-from models import eqns as _eqns  # noqa: E402
 
 pytestmark = pytest.mark.standard_promotion  # Flax layers
 F16 = jnp.dtype(jnp.float16)

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import versions
 from jax import lax
-from test_block_matmul import LAYOUTS, RECIPES, all_eqns, assert_close
+from jaxprs import eqns as all_eqns
+from test_block_matmul import LAYOUTS, RECIPES, assert_close
 
 import optax_lossscale as ols
 from optax_lossscale._lowbit import block_gemm as _block_gemm

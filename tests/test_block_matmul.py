@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 import versions
+from jaxprs import eqns as all_eqns
 from test_block_scaled import ref_mxfp8, ref_nvfp4
 
 import optax_lossscale as ols
@@ -169,17 +170,6 @@ def test_autocast_trains_within_the_recipes_error(matmul):
     )
     assert float(cos) > (0.99 if matmul == "mxfp8" else 0.9), k
   assert f.matmul == _block_matmul.as_block_recipe(matmul)
-
-
-def all_eqns(jaxpr):
-  """Every equation of ``jaxpr`` and of the jaxprs its equations hold."""
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      for sub in p if isinstance(p, (tuple, list)) else [p]:
-        inner = getattr(sub, "jaxpr", None)
-        if inner is not None:
-          yield from all_eqns(inner if hasattr(inner, "eqns") else inner.jaxpr)
 
 
 def _low_precision_uses(jaxpr):

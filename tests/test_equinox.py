@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_block_matmul import all_eqns
+from jaxprs import eqns as all_eqns
 
 import optax_lossscale as ols
 

@@ -27,6 +27,7 @@ import numpy as np
 import optax
 import pytest
 from jax import lax
+from jaxprs import eqns
 
 import optax_lossscale as ols
 from optax_lossscale._lowbit import float8 as _float8
@@ -250,15 +251,6 @@ def test_empty_operands_give_empty_or_zero_results():
   np.testing.assert_array_equal(g, 0.0)
 
 
-def _all_eqns(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for p in e.params.values():
-      inner = getattr(p, "jaxpr", p)
-      if hasattr(inner, "eqns"):
-        yield from _all_eqns(inner)
-
-
 @pytest.mark.parametrize(
   "lhs, rhs, dn, tiny",
   [
@@ -282,7 +274,7 @@ def test_a_tiny_matmul_multiplies_its_float8_values_in_float32(lhs, rhs, dn, tin
   f = lambda a, b: _float8.dot_general(a, b, dn, jnp.float32, recipe)
   a, b = jnp.ones(lhs), jnp.ones(rhs)
   jaxpr = jax.make_jaxpr(f)(a, b).jaxpr
-  (dot,) = [e for e in _all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  (dot,) = [e for e in eqns(jaxpr) if e.primitive.name == "dot_general"]
   operands = {v.aval.dtype for v in dot.invars}
   assert operands == ({jnp.dtype(jnp.float32)} if tiny else {E4M3}), operands
   np.testing.assert_array_equal(f(a, b), lax.dot_general(a, b, dn))

@@ -20,8 +20,8 @@ import optax_lossscale as ols
 from optax_lossscale._lowbit import float8 as _float8
 
 pytest.importorskip("flax", reason="the models are Flax's")
+from jaxprs import eqns as _eqns  # noqa: E402
 from models import CNN, MLP, Attention, ScanRemat  # noqa: E402
-from models import eqns as _eqns  # noqa: E402
 
 pytestmark = pytest.mark.standard_promotion  # Flax layers
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
