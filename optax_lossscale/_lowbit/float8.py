@@ -20,8 +20,8 @@ A tiny matmul is the exception. XLA's GPU backend leaves a dot with
 ``(M + N) * K`` under 100 (its ``xla_gpu_gemm_rewrite_size_threshold``)
 out of cuBLAS. It then widens float8 operands to float16 and multiplies in
 float16, so a product past 65504 (448 x 448 is 200704) becomes inf. Such a
-matmul (:func:`small`, with a margin of 10) gets its float8 operands
-converted to float32 here. That is exact: the products of float8 values
+matmul (:func:`small`, with a margin of 10; each device's part under
+explicit sharding) gets its float8 operands converted to float32 here. That is exact: the products of float8 values
 are exact in float32, as in the float8 GEMM.
 """
 
@@ -219,10 +219,31 @@ def _scaled_dot(
   """
   pet = _product_dtype(out_dtype, exact_scale)
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
-  if small(a.shape, b.shape, dimension_numbers):  # see the module's docstring
+  if small(_device_shape(a), _device_shape(b), dimension_numbers):  # module docstring
     a, b = _exact.widen(a, jnp.float32), _exact.widen(b, jnp.float32)
   out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet, **kwargs)
   return (out * inverse_scale.astype(pet)).astype(out_dtype)
+
+
+def _device_shape(x: jax.Array) -> tuple[int, ...]:
+  """The shape of ``x``'s part on one device, where its type says it.
+
+  Under explicit sharding each device multiplies its own blocks, which can
+  be tiny where the whole product is not. Under automatic sharding the
+  partitioner decides after tracing, so this is the global shape (inside
+  ``shard_map`` shapes are per device already).
+  """
+  spec = _tree.explicit_spec(x)
+  if spec is None:
+    return tuple(x.shape)
+  sizes = jax.typeof(x).sharding.mesh.shape
+  parts = [
+    math.prod(sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+    if axes is not None
+    else 1
+    for axes in spec
+  ]
+  return tuple(d // p for d, p in zip(x.shape, [*parts, *[1] * x.ndim], strict=False))
 
 
 def _sharding_of(x: jax.Array, order: list[int] | None = None) -> Any:

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import jaxprs
 import numpy as np
 import optax
 import pytest
@@ -193,3 +194,36 @@ def test_autocast_of_a_tensor_parallel_matmul(mode, recipe):
   np.testing.assert_allclose(got[0], want[0], rtol=tol)
   for g, r in zip(got[1], want[1], strict=True):
     np.testing.assert_allclose(g, r, atol=tol * float(np.max(np.abs(r))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_float8_dot_tiny_on_each_device_is_multiplied_in_float32(mode):
+  """(128 + 8) * 8 >= float8.SMALL_DOT, but each device's (32 + 8) * 8 is not.
+
+  Under explicit sharding the type says each device's part, so that part's
+  float8 operands are widened to float32 (behind the barrier that keeps the
+  rounding); under automatic sharding the global shape decides.
+  """
+  from optax_lossscale._lowbit import float8 as _float8
+
+  mesh = make_mesh(mode)
+  context = jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext()
+  x = jnp.ones((128, 8), jnp.float32)
+  w = jnp.ones((8, 8), jnp.float32)
+  dn = (((1,), (0,)), ((), ()))
+  assert not _float8.small(x.shape, w.shape, dn)
+  assert _float8.small((32, 8), w.shape, dn)
+  f = ols.autocast(lambda x, w: x @ w, compute_dtype=jnp.bfloat16, matmul="float8")
+  with context:
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P()))
+    if mode == "explicit":
+      assert _float8._device_shape(xs) == (32, 8)
+      assert _float8._device_shape(ws) == (8, 8)
+    jaxpr = jax.make_jaxpr(f)(xs, ws).jaxpr
+    got = jax.jit(f)(xs, ws)
+  dots = [e for e in jaxprs.eqns(jaxpr) if e.primitive.name == "dot_general"]
+  assert len(dots) == 1
+  widened = {v.aval.dtype for v in dots[0].invars} == {jnp.dtype(jnp.float32)}
+  assert widened == (mode == "explicit"), dots[0]
+  np.testing.assert_array_equal(jax.device_get(got), np.full((128, 8), 8.0))
