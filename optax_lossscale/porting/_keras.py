@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._base import tree as _tree
-from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale import finite as _finite
@@ -131,22 +130,9 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     for name, flag in (("dynamic", dynamic), ("legacy_keras", legacy_keras)):
       if not isinstance(flag, bool):
         raise ValueError(f"`{name}` must be a bool, got {flag!r}.")
-    if dynamic:
-      initial_scale = DEFAULT_INITIAL_SCALE if initial_scale is None else initial_scale
-      if dynamic_growth_steps is None:
-        dynamic_growth_steps = DEFAULT_GROWTH_STEPS
-      dynamic_growth_steps = _validate.int_in(
-        "dynamic_growth_steps", dynamic_growth_steps, 1
-      )
-    else:
-      if initial_scale is None:
-        raise ValueError("`initial_scale` must be given when `dynamic` is False.")
-      if dynamic_growth_steps is not None:
-        raise ValueError(
-          "`dynamic_growth_steps` must be None when `dynamic` is False, got "
-          f"{dynamic_growth_steps!r}."
-        )
-    initial_scale = _keras_config.positive_f32("initial_scale", initial_scale)
+    initial_scale, dynamic_growth_steps = _keras_config.scale_args(
+      dynamic, initial_scale, dynamic_growth_steps
+    )
 
     base = {
       "weight_decay": weight_decay,

@@ -227,6 +227,23 @@ def core_config(dynamic, initial, growth, min_scale, max_scale, hysteresis):
   )
 
 
+def scale_args(dynamic: bool, initial: Any, growth: Any) -> tuple[float, int | None]:
+  """``LossScaleOptimizer``'s ``initial_scale`` and ``dynamic_growth_steps``,
+  Keras' defaults filled in for a dynamic scale, checked."""
+  if dynamic:
+    initial = _config.DEFAULT_INITIAL_SCALE if initial is None else initial
+    growth = _config.DEFAULT_GROWTH_INTERVAL if growth is None else growth
+    growth = _validate.int_in("dynamic_growth_steps", growth, 1)
+  else:
+    if initial is None:
+      raise ValueError("`initial_scale` must be given when `dynamic` is False.")
+    if growth is not None:
+      raise ValueError(
+        f"`dynamic_growth_steps` must be None when `dynamic` is False, got {growth!r}."
+      )
+  return positive_f32("initial_scale", initial), growth
+
+
 def positive_f32(name: str, value: Any) -> float:
   out = _validate.as_f32(name, value)
   if out <= 0:
