@@ -74,9 +74,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-#: key: (title, script and its arguments, the same for --quick, report kind).
-#: A "md" script writes its report to ``--out``; a "log" script's report is
-#: what it prints (shown as a code block). So that the whole run takes about
+#: key: (title, script and its arguments, the same for --quick). Each script
+#: writes its report to ``--out``. So that the whole run takes about
 #: an hour on a busy 2-core CPU, the slowest sections are left to their
 #: scripts (leaves.py's finite check alone, the transformer trained with
 #: 8-bit Adam) and the trainings
@@ -87,52 +86,44 @@ QUESTIONS = {
     "Update step",
     ["update_step.py", "--sections", "headline"],
     ["update_step.py", "--quick"],
-    "md",
   ),
   "train_step": (
     "Full train step",
     ["train_step.py"],
     ["train_step.py", "--quick"],
-    "md",
   ),
   "leaves": (
     "Leaves and compile time",
     ["leaves.py", "--sections", "leaves,distinct"],
     ["leaves.py", "--quick"],
-    "md",
   ),
-  "designs": ("Designs tried", ["designs.py"], ["designs.py", "--quick"], "md"),
+  "designs": ("Designs tried", ["designs.py"], ["designs.py", "--quick"]),
   "telemetry": (
     "The record's cost",
     ["telemetry.py"],
     ["telemetry.py", "--quick"],
-    "md",
   ),
   "error_paths": (
     "Error paths",
     ["error_paths.py"],
     ["error_paths.py", "--leaves", "5", "12", "--repeats", "1"],
-    "md",
   ),
   "block_memory": (
     "Block-scaled memory",
     ["block_memory.py"],
     ["block_memory.py", "--batch", "2", "--context", "16"],
-    "md",
   ),
   "bf16_params": (
     "Low-precision parameters",
     ["bf16_params.py", "--seeds", "1", "--lm-steps", "150"],
     ["bf16_params.py", "--quick"],
-    "md",
   ),
   "quantize_state": (
     "8-bit optimizer state",
     ["quantize_state.py"],
     ["quantize_state.py", "--quick"],
-    "md",
   ),
-  "gpu_report": ("GPU report", ["gpu_report.py"], ["gpu_report.py", "--small"], "md"),
+  "gpu_report": ("GPU report", ["gpu_report.py"], ["gpu_report.py", "--small"]),
 }
 #: Run only where the machine's first device is a GPU (unless named in --only).
 GPU_ONLY = {"gpu_report"}
@@ -197,24 +188,20 @@ def machine():
 
 def question(key, quick, out_dir, timeout):
   """Runs one question's script; ``(command, report text, failure or None)``."""
-  _, full, small, kind = QUESTIONS[key]
+  _, full, small = QUESTIONS[key]
   args = small if quick else full
   cmd = [sys.executable, os.path.join("benchmarks", args[0]), *args[1:]]
   md_path = os.path.join(out_dir, f"{key}.md")
   shown = " ".join(["python", *(shlex.quote(c) for c in cmd[1:])])
-  if kind == "md":
-    cmd += ["--out", md_path]
-  print(f"{key}: {shown}" + (f" --out {md_path}" if kind == "md" else ""), flush=True)
+  cmd += ["--out", md_path]
+  print(f"{key}: {shown} --out {md_path}", flush=True)
   t0 = time.perf_counter()
   rc = run(cmd, os.path.join(out_dir, f"{key}.log"), timeout)
   print(f"  exit {rc} after {time.perf_counter() - t0:.0f} s", flush=True)
   if rc != 0:
     return shown, "", f"exit status {rc} (see {key}.log)"
-  if kind == "md":
-    with open(md_path) as f:
-      return shown, f.read(), None
-  with open(os.path.join(out_dir, f"{key}.log")) as f:
-    return shown, "```\n" + f.read().rstrip() + "\n```\n", None
+  with open(md_path) as f:
+    return shown, f.read(), None
 
 
 #: The report's sections that a block holds, by question (default: all).

@@ -450,7 +450,7 @@ def test_run_all_checks_each_report_names_the_run_commit(run_all):
     "quantize_state",
     "gpu_report",
   ]
-  for _, full, quick, _ in run_all.QUESTIONS.values():
+  for _, full, quick in run_all.QUESTIONS.values():
     assert os.path.isfile(os.path.join(_BENCH, full[0])) and quick[0] == full[0]
 
 
