@@ -37,6 +37,10 @@ OW = fp8_ops.OVERWRITE_WITH_GRADIENT
 SCALE = 2.0**10
 HISTORY = 4  # amax history length: short, so that a few steps fill it
 _FP8_DOT = functools.partial(fp8_ops.Fp8DirectDotGeneralOp, amax_history_length=HISTORY)
+# Every dot, forward and backward, has (M + N) * K >= 100: smaller ones XLA's
+# GPU backend keeps out of its float8 GEMM and multiplies in float16, where
+# Flax's scaled operands overflow (448 * 448) and every step would be skipped.
+BATCH, IN, HIDDEN, OUT = 16, 16, 32, 8
 
 
 class _Fp8Model(nn.Module):
@@ -44,8 +48,8 @@ class _Fp8Model(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.relu(nn.Dense(8, dot_general_cls=_FP8_DOT)(x))
-    w = self.param("w", nn.initializers.lecun_normal(), (8, 2))
+    h = nn.relu(nn.Dense(HIDDEN, dot_general_cls=_FP8_DOT)(x))
+    w = self.param("w", nn.initializers.lecun_normal(), (HIDDEN, OUT))
     return fp8_ops.Fp8Einsum(amax_history_length=HISTORY)("bi,io->bo", h, w)
 
 
@@ -55,8 +59,8 @@ MODEL = _Fp8Model()
 def _batch(seed, scale=1.0):
   kx, ky = jax.random.split(jax.random.key(seed))
   return (
-    jax.random.normal(kx, (4, 3)) * scale,
-    jax.random.normal(ky, (4, 2)) * scale,
+    jax.random.normal(kx, (BATCH, IN)) * scale,
+    jax.random.normal(ky, (BATCH, OUT)) * scale,
   )
 
 
@@ -299,13 +303,13 @@ def test_flax_fp8_meta_dtype_leaves_are_overwrite_leaves_by_their_dtype():
 
 
 def _nnx_model():
-  model = nnx.bridge.ToNNX(nn.Dense(4, dot_general_cls=_FP8_DOT), rngs=nnx.Rngs(0))
+  model = nnx.bridge.ToNNX(nn.Dense(HIDDEN, dot_general_cls=_FP8_DOT), rngs=nnx.Rngs(0))
   nnx.bridge.lazy_init(model, _batch(0)[0])
   return model
 
 
 def _nnx_loss(model, x, y):
-  return jnp.mean((model(x)[:, :2] - y) ** 2)
+  return jnp.mean((model(x)[:, :OUT] - y) ** 2)
 
 
 @nnx.jit
