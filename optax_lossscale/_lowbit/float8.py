@@ -21,8 +21,9 @@ A tiny matmul is the exception. XLA's GPU backend leaves a dot with
 out of cuBLAS. It then widens float8 operands to float16 and multiplies in
 float16, so a product past 65504 (448 x 448 is 200704) becomes inf. Such a
 matmul (:func:`small`, with a margin of 10; each device's part under
-explicit sharding) gets its float8 operands converted to float32 here. That is exact: the products of float8 values
-are exact in float32, as in the float8 GEMM.
+explicit sharding) gets its float8 operands converted to float32 here.
+That is exact: the products of float8 values are exact in float32, as in
+the float8 GEMM.
 """
 
 from __future__ import annotations
@@ -237,13 +238,16 @@ def _device_shape(x: jax.Array) -> tuple[int, ...]:
   if spec is None:
     return tuple(x.shape)
   sizes = jax.typeof(x).sharding.mesh.shape
-  parts = [
-    math.prod(sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
-    if axes is not None
-    else 1
-    for axes in spec
-  ]
-  return tuple(d // p for d, p in zip(x.shape, [*parts, *[1] * x.ndim], strict=False))
+  spec = spec + (None,) * (x.ndim - len(spec))
+  return tuple(
+    d // math.prod(sizes[a] for a in (() if axes is None else _names(axes)))
+    for d, axes in zip(x.shape, spec, strict=True)
+  )
+
+
+def _names(axes: Any) -> tuple:
+  """A partition spec entry's mesh axes: one name or a tuple of them."""
+  return axes if isinstance(axes, tuple) else (axes,)
 
 
 def _sharding_of(x: jax.Array, order: list[int] | None = None) -> Any:

@@ -220,6 +220,8 @@ def test_a_float8_dot_tiny_on_each_device_is_multiplied_in_float32(mode):
     if mode == "explicit":
       assert _float8._device_shape(xs) == (32, 8)
       assert _float8._device_shape(ws) == (8, 8)
+      both = jax.device_put(x, NamedSharding(mesh, P(("data", "model"), None)))
+      assert _float8._device_shape(both) == (16, 8)
     jaxpr = jax.make_jaxpr(f)(xs, ws).jaxpr
     got = jax.jit(f)(xs, ws)
   dots = [e for e in jaxprs.eqns(jaxpr) if e.primitive.name == "dot_general"]
