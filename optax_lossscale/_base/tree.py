@@ -25,6 +25,7 @@ __all__ = [
   "is_float_array",
   "is_variable",
   "keystr",
+  "rebuilt_as_itself",
   "short",
   "unwrap",
   "unwrap_variables",
@@ -197,3 +198,23 @@ def unwrap(x: Any) -> Any:
 def unwrap_variables(tree: Any) -> Any:
   """``tree`` with ``nnx`` variables replaced by the arrays they hold."""
   return jax.tree.map(unwrap, tree, is_leaf=is_variable)
+
+
+def rebuilt_as_itself(cls: type) -> type:
+  """Registers ``cls``, a subclass of optax's transformation tuple whose
+  constructor takes more than ``init`` and ``update``, as a pytree node.
+
+  A tree operation (``jax.tree.map``, Equinox's ``filter_jit``) rebuilds a
+  named tuple by calling its class with the children, which such a
+  constructor refuses. Registered, it is rebuilt from the children with
+  the original's attributes (the wrapped transformation, the options); the
+  original, a tuple of two functions, is the hashable auxiliary data.
+  """
+
+  def unflatten(original, children):
+    new = tuple.__new__(type(original), children)
+    new.__dict__.update(original.__dict__)
+    return new
+
+  jax.tree_util.register_pytree_node(cls, lambda t: (tuple(t), t), unflatten)
+  return cls

@@ -66,6 +66,7 @@ class MasterWeightsState(NamedTuple):
   float32_gradients = True
 
 
+@_tree.rebuilt_as_itself
 class MasterWeights(optax.GradientTransformationExtraArgs):
   """What :func:`master_weights` returns: an optax transformation.
 

@@ -38,6 +38,7 @@ DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
 DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
 
 
+@_tree.rebuilt_as_itself
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   """Keras' ``LossScaleOptimizer`` as an optax transformation.
 
