@@ -141,34 +141,6 @@ def test_a_bfloat16_state_leaf_comes_back_in_bfloat16():
   assert ols.dequantize_state(state)[0].mu["w"].dtype == jnp.float32
 
 
-@pytest.mark.parametrize(
-  ("kwargs", "match"),
-  [
-    ({"bits": 4}, "`bits`"),
-    ({"bits": 16}, "`bits`"),
-    ({"bits": True}, "`bits`"),
-    ({"block_size": 1}, "`block_size`"),
-    ({"block_size": 0}, "`block_size`"),
-    ({"block_size": 100}, "`block_size`"),
-    ({"block_size": 2.5}, "block_size"),
-    ({"min_size": -1}, "`min_size`"),
-    ({"min_size": "big"}, "min_size"),
-    ({"store_sqrt": 1}, "`store_sqrt`"),
-    ({"rounding": "random"}, "`rounding`"),
-    ({"rounding": None}, "`rounding`"),
-    ({"rounding": np.array(["nearest", "stochastic"])}, "`rounding`"),
-  ],
-)
-def test_bad_arguments(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    ols.quantize_state(optax.adam(1e-3), **kwargs)
-
-
-def test_not_a_transformation():
-  with pytest.raises(ValueError, match="`inner`"):
-    ols.quantize_state(optax.adam)
-
-
 def test_a_state_of_another_structure_is_refused_naming_the_leaf():
   tx = ols.quantize_state(optax.adam(1e-3))
   params = _params()

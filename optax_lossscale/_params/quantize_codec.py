@@ -282,6 +282,15 @@ def encode_many(
   whose blocks' extremes one reduction finds: it reads what the arrays are
   computed from (a gradient, Adam's two moments) once, not once an array
   (BENCHMARKS.md, 8-bit state)."""
+  for x in xs:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(
+        f"quantize_state encodes real floating arrays, got a {jnp.dtype(x.dtype).name} "
+        f"array of shape {tuple(x.shape)}."
+      )
+  # The codes are integers: like rounding, quantising has no derivative, so
+  # the stored state carries none (its scales would carry a partial one).
+  xs = [jax.lax.stop_gradient(x) for x in xs]
   blocked = [_blocked(x.astype(_F32), block_size) for x in xs]
   # One pass over each block finds both its least value (a block with one
   # below 0 uses the signed map) and its largest (NaN counted as an
@@ -306,6 +315,11 @@ def encode_many(
   ]
 
 
+#: Above it, ``1 / absmax`` is below float32's normal range (where XLA may
+#: flush it to 0): such a block is normalised by ``absmax * 2**-4`` instead.
+_HUGE = np.float32(2.0**126)
+
+
 def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLeaf:
   """``x`` (blocked as ``b`` from axis ``k``) quantised, given each block's
   least and largest values."""
@@ -314,8 +328,11 @@ def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLe
   absmax = jnp.where(signed, jnp.maximum(-lo, hi), jnp.sqrt(hi) if sqrt else hi)
   if sqrt:
     b = jnp.where(signed, b, jnp.sqrt(jnp.where(signed, 0.0, b)))
-  inv = jnp.where(absmax > 0, 1.0 / absmax, 0.0).astype(_F32)
-  s = jnp.clip(b * inv, -1.0, 1.0)
+  # f is 1 for every block below _HUGE, so these are b * (1 / absmax) there,
+  # bitsandbytes' arithmetic; above it both factors stay normal.
+  f = jnp.where(absmax > _HUGE, np.float32(2.0**-4), np.float32(1.0))
+  inv = jnp.where(absmax > 0, 1.0 / (absmax * f), 0.0).astype(_F32)
+  s = jnp.clip((b * f) * inv, -1.0, 1.0)
   idx = nearest_code(s, signed)
   if stochastic:
     idx = _stochastic(s, signed, idx)

@@ -54,6 +54,8 @@ __all__ = [
 ]
 
 _BITS = (8,)
+#: Every leaf is padded to whole blocks: a larger block would only waste memory.
+_MAX_BLOCK = 2**16
 _ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -74,6 +76,7 @@ class QuantizedState(NamedTuple):
   inner_state: Any
 
 
+@_tree.rebuilt_as_itself
 class QuantizeState(optax.GradientTransformationExtraArgs):
   """What :func:`quantize_state` returns: an optax transformation.
 
@@ -104,6 +107,8 @@ def _dequantized(tree: Any, cast: bool) -> Any:
   def leaf(x):
     if not _is_quantized(x):
       return x
+    if not _tree.is_array(x.codes):  # a jax.eval_shape state's
+      return jax.ShapeDtypeStruct(x.codes.shape, x.dtype if cast else jnp.float32)
     v = x.dequantize()
     return v.astype(x.dtype) if cast else v
 
@@ -121,7 +126,7 @@ def quantize_state(
 ) -> QuantizeState:
   """``inner`` with its large state leaves stored in 8 bits, blockwise.
 
-  A leaf of ``inner``'s state is quantised when it is a floating array
+  A leaf of ``inner``'s state is quantised when it is a real floating array
   with the shape of one of the parameters and at least ``min_size``
   elements (Adam's ``mu`` and ``nu``, SGD's momentum, ...); other leaves
   (counters, scalars, small leaves) are kept as ``inner`` made them. It is
@@ -145,7 +150,8 @@ def quantize_state(
   code. ``update`` dequantises the state (each leaf in its
   own dtype), runs ``inner.update``, and quantises the new state; a leaf
   holding NaN or an infinity gets an infinite scale, which the checkpoint
-  guard sees.
+  guard sees. Like rounding, quantising has no derivative: the stored state
+  carries none.
 
   Put it inside the loss scale and inside :func:`master_weights`
   (``dynamic_loss_scale(master_weights(quantize_state(optax.adam(...))))``):
@@ -158,7 +164,7 @@ def quantize_state(
     inner: any optax transformation (a chain included).
     bits: bits per code; 8, the one width offered (4 bits, measured,
       departs from float32 Adam: the low-precision guide).
-    block_size: elements per block, a power of two >= 2.
+    block_size: elements per block, a power of two from 2 to 65536.
     min_size: leaves with fewer elements are not quantised (>= 0).
     store_sqrt: store the square roots of a block that is all ``>= 0``.
     rounding: ``"nearest"`` or ``"stochastic"``.
@@ -186,11 +192,17 @@ def quantize_state(
     >>> float(ols.dequantize_state(state)[0].mu["w"][0])  # 0.1 * 1.0
     0.10000000149011612
   """
-  if isinstance(bits, bool) or bits not in _BITS:
+  if (
+    not isinstance(bits, (int, np.integer))
+    or isinstance(bits, bool)
+    or bits not in _BITS
+  ):
     raise ValueError(f"`bits` must be one of {_BITS}, got {bits!r}.")
   block_size = _validate.as_int("block_size", block_size)
-  if block_size < 2 or block_size & (block_size - 1):
-    raise ValueError(f"`block_size` must be a power of two >= 2, got {block_size}.")
+  if block_size < 2 or block_size > _MAX_BLOCK or block_size & (block_size - 1):
+    raise ValueError(
+      f"`block_size` must be a power of two from 2 to {_MAX_BLOCK}, got {block_size}."
+    )
   min_size = _validate.as_int("min_size", min_size)
   if min_size < 0:
     raise ValueError(f"`min_size` must be >= 0, got {min_size}.")
@@ -210,6 +222,7 @@ def quantize_state(
     def leaf(x):
       if (
         _tree.is_float_array(x)
+        and jnp.issubdtype(x.dtype, jnp.floating)  # complex leaves are kept
         and tuple(x.shape) in shapes
         and x.size >= min_size
         and x.size > 0
@@ -274,14 +287,17 @@ def quantize_state(
 
 
 def _check_layout(expected: Any, state: Any) -> None:
-  """``state`` has ``expected``'s structure, shapes and dtypes, or a
-  ValueError naming the first leaf that differs."""
+  """``state`` has ``expected``'s structure and shapes, or a ValueError
+  naming the first leaf that differs. Not its dtypes: an inner state's
+  leaf may change dtype in an update (Adam's ``mu`` of bfloat16 parameters
+  becomes float32 with float32 gradients), and ``expected`` is made from
+  the gradients' dtypes when ``update`` is given no parameters."""
   got = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_quantized)[0]
   want = jax.tree_util.tree_flatten_with_path(expected, is_leaf=_is_quantized)[0]
   got_d, want_d = dict(got), dict(want)
   for path in [p for p, _ in want] + [p for p, _ in got]:
     g, w = got_d.get(path), want_d.get(path)
-    if _describe(g) != _describe(w):
+    if _describe(g, dtype=False) != _describe(w, dtype=False):
       raise ValueError(
         f"quantize_state: the state's leaf at {_tree.keystr(path)} is "
         f"{_describe(g)}, where this transformation makes {_describe(w)} for "
@@ -291,18 +307,19 @@ def _check_layout(expected: Any, state: Any) -> None:
       )
 
 
-def _describe(x: Any) -> str:
+def _describe(x: Any, dtype: bool = True) -> str:
+  """What ``x`` is, for a message (with ``dtype``) or a comparison."""
   if x is None:
     return "nothing"
+  name = lambda d: jnp.dtype(d).name if dtype else ""  # noqa: E731
   if _is_quantized(x):
     return (
-      f"quantised {jnp.dtype(x.dtype).name}{list(x.codes.shape)} (scales "
+      f"quantised {name(x.dtype)}{list(x.codes.shape)} (scales "
       f"{list(x.scales.shape)}, block_size {x.block_size}, store_sqrt {x.sqrt})"
     )
-  dtype = getattr(x, "dtype", None)
-  if dtype is None:
+  if getattr(x, "dtype", None) is None:
     return type(x).__name__
-  return f"{jnp.dtype(dtype).name}{list(getattr(x, 'shape', ()))}"
+  return f"{name(x.dtype)}{list(getattr(x, 'shape', ()))}"
 
 
 def dequantize_state(state: Any) -> Any:
