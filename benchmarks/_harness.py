@@ -60,8 +60,13 @@ def memory(compiled):
 
 
 def tree_bytes(tree):
-  """Bytes of a tree's arrays (what it takes to store them)."""
-  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+  """Bytes of a tree's arrays (what it takes to store them), or of the arrays
+  a tree of shapes stands for (``jax.eval_shape``'s: nothing computed)."""
+  return sum(
+    x.size * x.dtype.itemsize
+    for x in jax.tree.leaves(tree)
+    if hasattr(x, "size") and hasattr(x, "dtype")
+  )
 
 
 # --------------------------------------------------------------------------

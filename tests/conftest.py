@@ -1,6 +1,23 @@
-"""Strict numerics for every test: silent dtype upcasts are bugs here."""
+"""Strict numerics for every test, and the line between the two suites.
 
+Silent dtype upcasts are bugs here: strict dtype and rank promotion. A test
+that starts a process (an example, a docs page, a benchmark script, a
+second JAX) belongs to the integration suite (``-m integration``); the
+everyday suite (``-m "not integration"``) stays in-process, and a test
+there that starts one fails, saying so.
+
+A run shares one persistent compilation cache, new for the run, among its
+pytest-xdist workers and the processes they start: a program many tests
+compile (the same emulated GEMM, the same optimizer step) is compiled once
+(BENCHMARKS.md, the test suites). A ``JAX_COMPILATION_CACHE_DIR`` of your
+own is used instead, and kept.
+"""
+
+import contextlib
 import os
+import shutil
+import subprocess
+import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -16,6 +33,10 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 import pytest  # noqa: E402
 
+_CACHE = "JAX_COMPILATION_CACHE_DIR"
+_MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+_made_cache = pytest.StashKey[str]()
+
 
 def pytest_configure(config):
   config.addinivalue_line(
@@ -24,6 +45,58 @@ def pytest_configure(config):
     "Keras, Flax) that is not written for strict dtype promotion; our own "
     "code is still checked under strict promotion by every other test.",
   )
+  # The run's compilation cache: made by the first process (pytest-xdist's
+  # controller, which starts its workers after this), inherited through the
+  # environment by the workers and every process a test starts.
+  if _CACHE not in os.environ and not hasattr(config, "workerinput"):
+    config.stash[_made_cache] = os.environ[_CACHE] = tempfile.mkdtemp(
+      prefix="optax_lossscale-jax-cache-"
+    )
+    os.environ.setdefault(_MIN_SECONDS, "0.1")
+  if _CACHE in os.environ:
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
+  if _MIN_SECONDS in os.environ:
+    jax.config.update(
+      "jax_persistent_cache_min_compile_time_secs", float(os.environ[_MIN_SECONDS])
+    )
+
+
+def pytest_unconfigure(config):
+  made = config.stash.get(_made_cache, None)
+  if made is not None:
+    shutil.rmtree(made, ignore_errors=True)
+    del os.environ[_CACHE]
+
+
+class ProcessOutsideIntegration(AssertionError):
+  """A test outside the integration suite started a process."""
+
+
+@contextlib.contextmanager
+def _no_processes(nodeid):
+  start = subprocess.Popen._execute_child
+
+  def refuse(self, args, *rest, **kwargs):
+    raise ProcessOutsideIntegration(
+      f"{nodeid} starts a process ({str(args)[:200]}): a test that does belongs to the "
+      "integration suite; mark it @pytest.mark.integration"
+    )
+
+  subprocess.Popen._execute_child = refuse
+  try:
+    yield
+  finally:
+    subprocess.Popen._execute_child = start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Setup, call and teardown of a test outside the integration suite run
+  with process starts refused (module fixtures included)."""
+  if item.get_closest_marker("integration"):
+    return (yield)
+  with _no_processes(item.nodeid):
+    return (yield)
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,14 @@ pytestmark = pytest.mark.standard_promotion  # optax's adam
 _BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 
 
+def _script(name):
+  sys.path.insert(0, _BENCH)
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.remove(_BENCH)
+
+
 @pytest.fixture(scope="module")
 def bench():
   """The harness's timing, the shared workload's steps and the train steps."""
@@ -171,7 +179,7 @@ def _quick_report(script, out):
 
 
 @versions.examples
-@pytest.mark.slow
+@pytest.mark.integration
 def test_bf16_params_report_runs_and_adds_up(tmp_path):
   import re
 
@@ -203,7 +211,7 @@ def test_bf16_params_report_runs_and_adds_up(tmp_path):
   assert (tmp_path / "bf16.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_telemetry_benchmark_runs_and_reports_every_step(tmp_path):
   import re
 
@@ -225,6 +233,7 @@ def test_telemetry_benchmark_runs_and_reports_every_step(tmp_path):
   assert len(re.findall(r"^\| (1|16) \| [\d.]+ s \| [\d.]+ s \|", text, re.M)) == 2
 
 
+@pytest.mark.integration
 def test_error_paths_benchmark_runs_and_times_each_path():
   import re
   import subprocess
@@ -244,7 +253,7 @@ def test_error_paths_benchmark_runs_and_times_each_path():
 
 @versions.examples
 @versions.block_formats
-@pytest.mark.slow
+@pytest.mark.integration
 def test_block_memory_benchmark_reports_each_matmul():
   import re
 
@@ -394,6 +403,7 @@ def _git(repo, *args):
   ).stdout.strip()
 
 
+@pytest.mark.integration
 def test_a_report_of_uncommitted_changes_is_named_by_its_trees_commit(
   run_all, tmp_path, monkeypatch
 ):
@@ -460,11 +470,7 @@ def test_the_4bit_simulation_holds_what_the_8bit_codec_stores():
   float32; with the 8-bit maps, blocks of 256 and square roots it must give
   exactly ``quantize_state``'s codec's values, or its 4-bit numbers would
   measure the simulation, not the width."""
-  sys.path.insert(0, _BENCH)
-  try:
-    sim = importlib.import_module("quantize_4bit")
-  finally:
-    sys.path.remove(_BENCH)
+  sim = _script("quantize_4bit")
   from optax_lossscale._params import quantize_codec as codec
 
   rng = np.random.default_rng(0)
@@ -483,11 +489,7 @@ def test_the_8bit_bytes_by_part_add_up_to_the_state():
   """``quantize_state.py``'s table of bytes by part: each setup's parts are
   its state's bytes, put where they belong (codes and float32 moments as
   moments, scales, remainders as masters, the rest as other)."""
-  sys.path.insert(0, _BENCH)
-  try:
-    qs = importlib.import_module("quantize_state")
-  finally:
-    sys.path.remove(_BENCH)
+  qs = _script("quantize_state")
   import optax
 
   import optax_lossscale as ols
@@ -521,3 +523,69 @@ def test_the_8bit_bytes_by_part_add_up_to_the_state():
   again = qs.parts_table(rows + rows[1:2], 8192 + 16)  # a repeated storage
   assert again == table
   assert all(name in table for name, _ in qs.PUBLISHED)
+
+
+@versions.examples
+def test_bf16_params_bytes_per_parameter_follow_from_the_dtypes():
+  """Each configuration's bytes per parameter (what ``bf16_params.py``'s
+  tables report), from its optimizer's state shapes: nothing compiled. The
+  script's own run (the integration suite) prints the same."""
+  import re
+
+  bf16 = _script("bf16_params")
+  from _harness import tree_bytes
+
+  params32 = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32)}
+  params32["b"] = jax.ShapeDtypeStruct((32,), jnp.float32)
+  n = 64 * 32 + 32
+  per = {}
+  for name, (dtype, *_) in bf16.CONFIGS.items():
+    params = jax.tree.map(lambda p, d=dtype: jax.ShapeDtypeStruct(p.shape, d), params32)
+    state = jax.eval_shape(
+      lambda p, name=name: bf16.optimizer(name, 1e-3, 0, p)[1], params
+    )
+    per[name] = (tree_bytes(params) + tree_bytes(state)) / n
+  # bfloat16 parameters (2), the Kahan buffer (2), Adam's two moments (4 or
+  # 2 each), the master weights' remainder (2) or float32 copy (4); Adam's
+  # step count and a stochastic rounding's key are a few bytes in all.
+  want = {
+    "float32": 12.0,
+    "bf16 nearest": 10.0,
+    "bf16 stochastic": 10.0,
+    "bf16 Kahan": 12.0,
+    "bf16 Kahan, bf16 mu": 10.0,
+    "bf16 stochastic, bf16 moments": 6.0,
+    "bf16 remainder": 12.0,
+    "bf16 float32 copy": 14.0,
+  }
+  assert set(per) == set(want)
+  for name, got in per.items():
+    assert round(got, 1) == want[name] and got - want[name] < 32 / n, (name, got)
+
+  # The table: a row per configuration, each seed's gap to float32 and
+  # their mean, in the format the integration test reads.
+  def run(loss, acc, name):
+    return dict(loss=loss, acc=acc, bytes_per_param=per[name])
+
+  results = {
+    name: [run(2.0 + i / 8, 0.5 - i / 100, name), run(2.5 + i / 4, 0.6, name)]
+    for i, name in enumerate(bf16.CONFIGS)
+  }
+  text = bf16.table(results)
+  rows = re.findall(
+    r"^\| (float32|bf16 [^|]+?) \| ([\d.]+) \| ([+-][\d.]+) \((.*?)\) \| ([\d.]+)% \| "
+    r"([+-][\d.]+) \((.*?)\) \| ([\d.]+) \|$",
+    text,
+    re.M,
+  )
+  assert [r[0] for r in rows] == list(bf16.CONFIGS), text
+  for i, (name, loss, gap, gaps, acc, points, each, b) in enumerate(rows):
+    assert float(loss) == pytest.approx((2.0 + i / 8 + 2.5 + i / 4) / 2, abs=1e-4)
+    assert [float(g) for g in gaps.split(", ")] == pytest.approx(
+      [i / 8, i / 4], abs=1e-4
+    )
+    assert float(gap) == pytest.approx(3 * i / 16, abs=1e-4)
+    assert float(acc) == pytest.approx(100 * (0.55 - i / 200), abs=1e-2)
+    assert [float(p) for p in each.split(", ")] == pytest.approx([-i, 0.0], abs=1e-2)
+    assert float(points) == pytest.approx(-i / 2, abs=1e-2)
+    assert float(b) == round(per[name], 1)

@@ -56,6 +56,7 @@ def test_every_table_is_in_a_block(run_all, text):
   assert not rows, rows
 
 
+@pytest.mark.integration
 def test_every_block_is_from_the_header_commit(run_all, text):
   blocks = {m.group(2): m.group(3) for m in run_all.BLOCK.finditer(text)}
   header = blocks.pop("header")

@@ -20,7 +20,7 @@ import pytest
 import versions
 from jax import lax
 from jaxprs import eqns as all_eqns
-from test_block_matmul import LAYOUTS, RECIPES, assert_close
+from test_block_matmul import LAYOUTS, RECIPES, assert_close, operands, three_gemms
 
 import optax_lossscale as ols
 from optax_lossscale._lowbit import block_gemm as _block_gemm
@@ -83,19 +83,8 @@ def _primitives(jaxpr):
 
 def _three_gemms(recipe, layout, seed=0):
   """(y, dx, dw) of the layout's dot_general in ``recipe``, and the jaxpr."""
-  ls, rs, dn = LAYOUTS[layout]
-  rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal(ls), jnp.float32)
-  w = jnp.asarray(rng.standard_normal(rs) * 0.1, jnp.float32)
-  out = jax.eval_shape(lambda: lax.dot_general(x, w, dn))
-  g = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
-
-  def f(x, w, g):
-    y, vjp = jax.vjp(
-      lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, recipe), x, w
-    )
-    return (y, *vjp(g))
-
+  x, w, g = operands(layout, seed)
+  f = three_gemms(recipe, layout)
   return jax.jit(f)(x, w, g), jax.make_jaxpr(f)(x, w, g).jaxpr
 
 
@@ -188,14 +177,20 @@ def test_nvfp4_scales_per_tensor_at_extreme_magnitudes(magnitude):
   a = rng.standard_normal((1, 8, 64)) * magnitude
   a[0, 0] = 0.0  # a zero row gives zeros, not 0 * inf
   b = rng.standard_normal((1, 64, 16)) * magnitude
-  qa = ols.block_quantize(jnp.asarray(a, jnp.float32), "nvfp4", 2)
-  qb = ols.block_quantize(jnp.asarray(b, jnp.float32), "nvfp4", 1)
-  want = np.einsum(
-    "bmk,bkn->bmn",
-    np.asarray(qa.dequantize(), np.float64),
-    np.asarray(qb.dequantize(), np.float64),
+
+  @jax.jit
+  def quantised_and_product(a, b):
+    qa = ols.block_quantize(a, "nvfp4", 2)
+    qb = ols.block_quantize(b, "nvfp4", 1)
+    return qa.dequantize(), qb.dequantize(), _block_gemm.gemm(qa, qb, native=False)
+
+  da, db, got = quantised_and_product(
+    jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
   )
-  got = np.asarray(_block_gemm.gemm(qa, qb, native=False), np.float64)
+  want = np.einsum(
+    "bmk,bkn->bmn", np.asarray(da, np.float64), np.asarray(db, np.float64)
+  )
+  got = np.asarray(got, np.float64)
   assert np.all(got[0, 0] == 0.0) and np.all(got[0, 1:] != 0.0)
   finite = np.abs(want) < np.finfo(np.float32).max  # the rest overflow
   np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4)
@@ -209,10 +204,15 @@ def test_a_tiny_nvfp4_gradient_reaches_the_weights():
   w = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
   g = jnp.asarray(3e-33 * rng.standard_normal((64, 16)), jnp.float32)
   dn = (((1,), (0,)), ((), ()))
-  _, vjp = jax.vjp(
-    lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, r), x, w
-  )
-  _, dw = vjp(g)
+
+  @jax.jit
+  def weight_gradient(x, w, g):
+    _, vjp = jax.vjp(
+      lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, r), x, w
+    )
+    return vjp(g)[1]
+
+  dw = weight_gradient(x, w, g)
   exact = np.abs(np.asarray(x, np.float64).T @ np.asarray(g, np.float64))
   assert exact.max() > np.finfo(np.float32).tiny  # a normal float32 result
   assert np.count_nonzero(np.asarray(dw)) == dw.size
@@ -257,12 +257,7 @@ def test_an_empty_product_is_emulated(stand_in, native):
   stand_in(scaled_dot)
   r = ols.NVFP4Matmul(native=native)
   x, w = jnp.zeros((0, 48), jnp.float32), jnp.ones((48, 24), jnp.float32)
-  y, vjp = jax.vjp(
-    lambda x, w: _block_matmul.dot_general(x, w, LAYOUTS["plain"][2], jnp.float32, r),
-    x,
-    w,
-  )
-  dx, dw = vjp(jnp.zeros_like(y))
+  y, dx, dw = jax.jit(three_gemms(r, "plain"))(x, w, jnp.zeros((0, 24), jnp.float32))
   assert y.shape == (0, 24) and dx.shape == (0, 48)
   np.testing.assert_array_equal(dw, np.zeros((48, 24)))
   assert not _block_gemm._VERDICTS  # no probe ran

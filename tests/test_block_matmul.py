@@ -99,19 +99,37 @@ def _views(name, x, w, g):
   return x, w, g
 
 
+def operands(layout, seed=0):
+  """``x``, ``w`` and an output gradient ``g`` of the layout's shapes."""
+  ls, rs, dn = LAYOUTS[layout]
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal(ls), jnp.float32)
+  w = jnp.asarray(rng.standard_normal(rs) * 0.1, jnp.float32)
+  out = jax.eval_shape(lambda: jax.lax.dot_general(x, w, dn))
+  g = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+  return x, w, g
+
+
+def three_gemms(recipe, layout):
+  """``f(x, w, g) = (y, dx, dw)``: the layout's ``dot_general`` in ``recipe``
+  and its two gradients."""
+  dn = LAYOUTS[layout][2]
+
+  def f(x, w, g):
+    y, vjp = jax.vjp(
+      lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, recipe), x, w
+    )
+    return (y, *vjp(g))
+
+  return f
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_three_gemms_are_the_reference_recipes(recipe, layout):
   r = RECIPES[recipe]
-  ls, rs, dn = LAYOUTS[layout]
-  rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal(ls), jnp.float32)
-  w = jnp.asarray(rng.standard_normal(rs) * 0.1, jnp.float32)
-  y, vjp = jax.vjp(
-    lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, r), x, w
-  )
-  g = jnp.asarray(rng.standard_normal(y.shape), jnp.float32)
-  dx, dw = vjp(g)
+  x, w, g = operands(layout)
+  y, dx, dw = jax.jit(three_gemms(r, layout))(x, w, g)
   x2, w2, g2 = _views(layout, np.asarray(x), np.asarray(w), np.asarray(g))
   want_y, want_dx, want_dw = reference(x2, w2, g2, r)
   assert_close(np.asarray(y).reshape(want_y.shape), want_y)
@@ -126,7 +144,7 @@ def test_batch_axes_are_matmuls_of_their_own():
   x = jnp.asarray(rng.standard_normal((3, 8, 32)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((3, 32, 16)), jnp.float32)
   dn = (((2,), (1,)), ((0,), (0,)))
-  y = _block_matmul.dot_general(x, w, dn, jnp.float32, r)
+  y = jax.jit(lambda x, w: _block_matmul.dot_general(x, w, dn, jnp.float32, r))(x, w)
   for b in range(3):
     want = reference(np.asarray(x[b]), np.asarray(w[b]), np.zeros((8, 16)), r)[0]
     assert_close(y[b], want)
@@ -214,7 +232,7 @@ def test_zeros_give_zeros(matmul):
   params, x = _mlp()
   zeros = jax.tree.map(jnp.zeros_like, params)
   f = ols.autocast(_mlp_loss, compute_dtype=jnp.bfloat16, matmul=matmul)
-  loss, grads = jax.value_and_grad(f)(zeros, jnp.zeros_like(x))
+  loss, grads = jax.jit(jax.value_and_grad(f))(zeros, jnp.zeros_like(x))
   assert float(loss) == 0.0
   for g in jax.tree.leaves(grads):
     assert np.all(np.asarray(g) == 0)
@@ -261,13 +279,13 @@ def test_scan_and_remat_quantise_each_step(matmul):
 
   h = x[:, :32]
   cast = lambda f: ols.autocast(f, compute_dtype=bf16, matmul=matmul)  # noqa: E731
-  plain = jax.grad(cast(scanned))(ws, h)
-  remat = jax.grad(cast(lambda ws, h: scanned(ws, h, True)))(ws, h)
+  plain = jax.jit(jax.grad(cast(scanned)))(ws, h)
+  remat = jax.jit(jax.grad(cast(lambda ws, h: scanned(ws, h, True))))(ws, h)
   np.testing.assert_array_equal(plain, remat)
   made, _ = _low_precision_uses(jax.make_jaxpr(jax.grad(cast(scanned)))(ws, h).jaxpr)
   assert made
-  exact = jax.grad(unrolled)(ws, h)
-  loop = jax.grad(cast(unrolled))(ws, h)
+  exact = jax.jit(jax.grad(unrolled))(ws, h)
+  loop = jax.jit(jax.grad(cast(unrolled)))(ws, h)
   err = lambda g: float(jnp.abs(g - exact).max() / jnp.abs(exact).max())  # noqa: E731
   assert err(plain) <= 2 * err(loop) + 0.02, (err(plain), err(loop))
 
@@ -279,17 +297,23 @@ def test_nvfp4s_stochastic_rounding_follows_the_gradient_and_is_reproducible():
   a, b = g(params, x), g(params, x)
   jax.tree.map(np.testing.assert_array_equal, a, b)  # reproducible
   c = g(params, x * 1.001)  # another gradient: other random numbers
-  off = jax.grad(
-    ols.autocast(
-      _mlp_loss,
-      compute_dtype=jnp.bfloat16,
-      matmul=ols.NVFP4Matmul(stochastic_rounding=False),
+  off = jax.jit(
+    jax.grad(
+      ols.autocast(
+        _mlp_loss,
+        compute_dtype=jnp.bfloat16,
+        matmul=ols.NVFP4Matmul(stochastic_rounding=False),
+      )
     )
   )(params, x)
   assert not np.array_equal(a["w1"], off["w1"])
   assert not np.array_equal(a["w1"], c["w1"])
-  other_seed = jax.grad(
-    ols.autocast(_mlp_loss, compute_dtype=jnp.bfloat16, matmul=ols.NVFP4Matmul(seed=1))
+  other_seed = jax.jit(
+    jax.grad(
+      ols.autocast(
+        _mlp_loss, compute_dtype=jnp.bfloat16, matmul=ols.NVFP4Matmul(seed=1)
+      )
+    )
   )(params, x)
   assert not np.array_equal(a["w1"], other_seed["w1"])
 

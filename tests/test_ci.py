@@ -53,6 +53,7 @@ FAILURES = {
 }
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("how", FAILURES)
 @pytest.mark.parametrize("where", ["first", "middle", "last"])
 def test_a_failing_suite_fails_the_run_and_the_others_still_run(tmp_path, how, where):
@@ -69,18 +70,39 @@ def test_a_failing_suite_fails_the_run_and_the_others_still_run(tmp_path, how, w
   assert f"failed: s{bad}" in result.stdout
 
 
+@pytest.mark.integration
 def test_passing_suites_pass_and_print_their_summaries(tmp_path):
   body = f"suite one {_pytest_like('3 passed, 1 skipped', 0)}\n"
   body += f"suite two {_pytest_like('7 passed', 0)}\nfinish"
   result = _run(body, tmp_path)
   assert result.returncode == 0, result.stdout + result.stderr
-  tail = result.stdout.split("=== summaries\n", 1)[1]
-  assert tail.splitlines() == [
-    "one: ===== 3 passed, 1 skipped in 0.10s ===== (exit 0)",
-    "two: ===== 7 passed in 0.10s ===== (exit 0)",
-  ]
+  tail = result.stdout.split("=== summaries\n", 1)[1].splitlines()
+  # Each suite's closing line, its status and its wall time; then the run's.
+  wall = r"\d+:[0-5]\d wall"
+  assert len(tail) == 3, tail
+  assert re.fullmatch(
+    rf"one: ===== 3 passed, 1 skipped in 0.10s ===== \(exit 0, {wall}\)", tail[0]
+  )
+  assert re.fullmatch(
+    rf"two: ===== 7 passed in 0.10s ===== \(exit 0, {wall}\)", tail[1]
+  )
+  assert re.fullmatch(rf"total: {wall}", tail[2])
 
 
+@pytest.mark.integration
+def test_each_suite_reports_its_own_wall_time(tmp_path):
+  body = "suite quick true\nsuite slow sleep 2\nfinish"
+  result = _run(body, tmp_path)
+  assert result.returncode == 0, result.stdout + result.stderr
+  tail = result.stdout.split("=== summaries\n", 1)[1].splitlines()
+  # Bash counts whole seconds: a command may straddle one tick.
+  assert re.fullmatch(r"quick: no pytest summary \(exit 0, 0:0[01] wall\)", tail[0])
+  assert re.fullmatch(r"slow: no pytest summary \(exit 0, 0:0[23] wall\)", tail[1])
+  assert re.fullmatch(r"total: 0:0[23] wall", tail[2])
+  assert "=== suite slow: exit 0, 0:0" in result.stdout
+
+
+@pytest.mark.integration
 def test_no_suite_at_all_fails(tmp_path):
   assert _run("finish", tmp_path).returncode != 0
 

@@ -505,7 +505,7 @@ assert float(fast(jnp.ones(3))) == 3.0
 }
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("order", IMPORT_ORDERS)
 def test_every_import_order_works(order):
   import subprocess

@@ -8,6 +8,7 @@ with status 2 and a message naming the option (argparse's
 """
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -124,3 +125,22 @@ def test_the_defaults_parse(examples, example):
   out = getattr(args, "out", None) or getattr(args, "ckpt", None)
   # Paths are absolute: they mean the same from any working directory.
   assert out is None or Path(out).is_absolute()
+
+
+@pytest.mark.parametrize("example", sorted({c[0] for c in CASES}))
+def test_every_example_option_says_what_it_does_and_its_default(
+  examples, capsys, monkeypatch, example
+):
+  monkeypatch.setenv("COLUMNS", "80")  # argparse's width, as in a pipe
+  with pytest.raises(SystemExit) as exit_:
+    examples(example).parse_args(["--help"])
+  assert exit_.value.code == 0
+  out = capsys.readouterr().out
+  options = out.split("options:", 1)[1]
+  # One entry per option: its flags, then what it does, the default last.
+  entries = re.split(r"\n  (?=-)", "\n" + options)[1:]
+  names = [re.match(r"(-[\w-]+)", e).group(1) for e in entries]
+  assert len(names) > 1 and names[0] == "-h", out
+  for entry in entries[1:]:
+    text = " ".join(entry.split())
+    assert re.search(r"\S+ .*\w.*\(default: .*\)$", text), (example, text)

@@ -18,7 +18,7 @@ def percent(text):
 
 
 @versions.examples
-@pytest.mark.slow
+@pytest.mark.integration
 def test_train_lm_example(tmp_path):
   stdout = run_example(
     "train_lm.py",
@@ -84,7 +84,7 @@ F8_ROW = re.compile(
 
 
 @versions.examples
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize(
   "recipe", ["float8", pytest.param("nvfp4", marks=versions.block_formats)]
 )

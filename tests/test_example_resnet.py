@@ -15,7 +15,7 @@ ROW = re.compile(
 )
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_resnet_example_linen_and_nnx_with_a_nan_step():
   out = run_example("resnet.py", "--steps", 12, "--batch", 16, "--nan-at", "4,9")
   rows = {m.group(1): m.groups()[1:] for m in ROW.finditer(out)}

@@ -30,7 +30,7 @@ def run_example(name, *args):
     ).stdout
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_train_digits_example(tmp_path):
   stdout = run_example(
     "train_digits.py", "--steps", 150, "--growth-interval", 20, "--out", tmp_path
@@ -55,7 +55,7 @@ def test_train_digits_example(tmp_path):
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_train_digits_8bit_example():
   stdout = run_example("train_digits_8bit.py", "--steps", 150)
   rows = {}
@@ -79,7 +79,7 @@ def test_train_digits_8bit_example():
   assert rows["bf16 + masters + 8-bit"][6] == rows["8-bit Adam"][6]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_data_parallel_example():
   # Exits 1 if the devices ever disagreed.
   out = run_example("data_parallel.py", "--steps", 30, "--nan-at", "5,6,20")
@@ -96,7 +96,7 @@ def test_data_parallel_example():
   assert "steps where the devices disagreed: 0" in out
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_mixed_precision_example():
   out = run_example("mixed_precision.py", "--steps", 400)
   acc = {
@@ -112,19 +112,3 @@ def test_mixed_precision_example():
   assert abs(acc["enable_mixed_precision"] - acc["float32 as written"]) <= 0.01 + 1e-9
   half = float(re.search(r"FLOPs in float16 .*: ([\d.]+)%", out).group(1))
   assert half > 90.0, out
-
-
-@pytest.mark.parametrize(
-  "name",
-  sorted(p.name for p in (ROOT / "examples").glob("*.py") if p.name[0] != "_"),
-)
-def test_every_example_option_says_what_it_does_and_its_default(name):
-  out = run_example(name, "--help")
-  options = out.split("options:", 1)[1]
-  # One entry per option: its flags, then what it does, the default last.
-  entries = re.split(r"\n  (?=-)", "\n" + options)[1:]
-  names = [re.match(r"(-[\w-]+)", e).group(1) for e in entries]
-  assert len(names) > 1 and names[0] == "-h", out
-  for entry in entries[1:]:
-    text = " ".join(entry.split())
-    assert re.search(r"\S+ .*\w.*\(default: .*\)$", text), (name, text)

@@ -56,7 +56,7 @@ FLAGS = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("flags", FLAGS)
 def test_nonfinite_gradients_are_caught_under_fast_math(flags):
   # XLA's CPU flags: on the CPU backend, also on a machine with a GPU.

@@ -122,7 +122,7 @@ def test_nnx_optimizer_with_loss_scale():
   assert int(optimizer.step[...]) == 2  # nnx counts update calls
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_orbax_restore_in_a_new_process_is_bit_identical(tmp_path):
   pytest.importorskip("orbax.checkpoint")
   script = "orbax_resume.py"
@@ -150,7 +150,7 @@ def test_orbax_restore_in_a_new_process_is_bit_identical(tmp_path):
   assert not np.array_equal(np.load(c)[step[0]], fb[step[0]])
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_orbax_example_compares_both_halves_itself_and_refuses_to_overwrite(tmp_path):
   out = run_example("orbax_resume.py", "--compare", "--steps", 24, "--nan-at", "3,13")
   assert "bit-identical: yes" in out, out
@@ -166,7 +166,7 @@ def test_orbax_example_compares_both_halves_itself_and_refuses_to_overwrite(tmp_
   assert "saved step 3" in run_example("orbax_resume.py", *args, "--overwrite")
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("name", ["flax_linen.py", "flax_nnx.py"])
 def test_flax_examples(name):
   out = run_example(name, "--steps", 200)

@@ -25,7 +25,8 @@ _SCRIPT = os.path.join(_ROOT, "benchmarks", "gpu_report.py")
 PRECISIONS = ("float32", "bfloat16", "float16", "float8", "mxfp8", "nvfp4")
 
 pytestmark = [
-  pytest.mark.slow,
+  pytest.mark.integration,
+  pytest.mark.xdist_group("gpu_report"),  # one report, made once
   pytest.mark.skipif(
     importlib.util.find_spec("flax") is None,
     reason="the report's train-step table is bench.py's, on Flax models (the "

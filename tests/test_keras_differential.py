@@ -21,7 +21,7 @@ import optax_lossscale as ols  # noqa: E402
 
 keras = pytest.importorskip("keras")
 
-pytestmark = [pytest.mark.slow, pytest.mark.standard_promotion]
+pytestmark = pytest.mark.standard_promotion
 
 SHAPES = [(3,), (2, 4), ()]
 

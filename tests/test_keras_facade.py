@@ -408,7 +408,6 @@ def _keras_trace(keras, kwargs, grads_seq, params0, lr):
   return trace
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
   "kwargs",
   [

@@ -19,7 +19,7 @@ from test_examples import ROOT, run_example
 
 
 @versions.examples
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.parametrize("processes, local_devices", [(2, 2), (4, 1)])
 def test_processes_agree_with_each_other_and_with_one_process(
   tmp_path, processes, local_devices
@@ -53,7 +53,7 @@ def test_processes_agree_with_each_other_and_with_one_process(
 
 
 @versions.examples
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_documented_command_works_from_another_directory(tmp_path):
   # `python examples/multi_process.py --processes 2` with its default --out,
   # started outside the repository: the checkpoint path Orbax gets is
@@ -76,7 +76,7 @@ def test_the_documented_command_works_from_another_directory(tmp_path):
 
 
 @versions.examples
-@pytest.mark.slow
+@pytest.mark.integration
 def test_the_reference_makes_its_output_directory(tmp_path):
   out = tmp_path / "new" / "dir"
   run_example(

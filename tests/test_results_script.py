@@ -117,6 +117,7 @@ def test_anything_else_is_a_difference(old, new):
   assert diff.startswith("--- x.txt (published)\n+++ x.txt (printed now)\n"), diff
 
 
+@pytest.mark.integration
 def test_check_passes_on_a_file_that_matches_and_fails_with_a_diff_otherwise(
   tmp_path,
 ):
@@ -139,6 +140,7 @@ def test_check_passes_on_a_file_that_matches_and_fails_with_a_diff_otherwise(
   assert (tmp_path / "stale.txt").read_text() == f"{stale}\nloss 1.5\n"
 
 
+@pytest.mark.integration
 def test_regenerating_writes_the_command_line_and_what_it_printed(tmp_path):
   first = _printing("run  loss", "a    2.5")
   (tmp_path / "a.txt").write_text(f"{first}\nrun  loss\na    1.5\n")
@@ -148,6 +150,7 @@ def test_regenerating_writes_the_command_line_and_what_it_printed(tmp_path):
   assert _script("--check", "--results", str(tmp_path)).returncode == 0
 
 
+@pytest.mark.integration
 def test_a_failing_command_writes_nothing_and_fails(tmp_path):
   text = "$ python -c \"import sys; print('half'); sys.exit('broken')\"\nold\n"
   (tmp_path / "a.txt").write_text(text)
@@ -158,6 +161,7 @@ def test_a_failing_command_writes_nothing_and_fails(tmp_path):
     assert (tmp_path / "a.txt").read_text() == text
 
 
+@pytest.mark.integration
 def test_an_unknown_name_is_an_argparse_error(tmp_path):
   (tmp_path / "a.txt").write_text(_printing("x") + "\nx\n")
   result = _script("--check", "--results", str(tmp_path), "b")
@@ -175,6 +179,7 @@ def test_every_published_file_names_a_python_example():
     assert (SCRIPT.parent / plot).is_file() and source in names, plot
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(
   not hasattr(os, "sched_getaffinity"), reason="needs CPU affinity (Linux)"
 )

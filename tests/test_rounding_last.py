@@ -138,6 +138,7 @@ def _facade_run(opt, params, grads):
 NO_FMA = "--xla_cpu_max_isa=AVX"
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 flag")
 def test_the_facade_on_master_weights_is_its_float32_rule_without_fma():
   env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {NO_FMA}"}

@@ -470,6 +470,7 @@ def test_flax_serialization_and_partitioned_boxes():
   assert ols.nonfinite_report(restored) == report
 
 
+@pytest.mark.integration
 def test_float64_leaves_are_classified_with_x64_on():
   import os
   import subprocess

@@ -43,7 +43,6 @@ import tf_oracle as O  # noqa: E402
 import optax_lossscale as ols  # noqa: E402
 
 pytestmark = [
-  pytest.mark.slow,
   pytest.mark.filterwarnings("ignore::DeprecationWarning"),
   pytest.mark.filterwarnings("ignore::UserWarning"),
 ]
