@@ -517,7 +517,7 @@ def check(p: argparse.ArgumentParser, cfg: argparse.Namespace) -> argparse.Names
 
 
 def parse_args(argv=None):
-  p = parser(__doc__.splitlines()[0], steps=300, batch=24)
+  p = parser(__doc__.splitlines()[0], steps=150, batch=24)
   p.add_argument(
     "--vocab",
     type=_cli.int_in(256, 1 << 16),

@@ -30,7 +30,7 @@ def _setup(name):
   cls, shape = MODELS[name]
   model = cls()
   x = jnp.asarray(np.random.default_rng(0).normal(size=shape), jnp.float32)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
 
   def loss(params, x):
     logits = model.apply({**variables, "params": params}, x)
@@ -42,7 +42,7 @@ def _setup(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_values_and_gradients_match_float32(name):
   loss, params, x = _setup(name)
-  ref_loss, ref_grads = jax.value_and_grad(loss)(params, x)
+  ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(params, x)
   fast = ols.autocast(loss, compute_dtype=jnp.float16)
   got_loss, got_grads = jax.jit(jax.value_and_grad(fast))(params, x)
   assert got_loss.dtype == jnp.float32
