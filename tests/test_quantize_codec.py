@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxprs import eqns as all_eqns
 
 from optax_lossscale._params import quantize_codec as codec
 from optax_lossscale._params import quantize_state as q
@@ -104,7 +105,7 @@ def test_leaves_encoded_together_equal_each_encoded_alone():
       assert a.dtype == b.dtype
   # one reduction finds every block's extremes
   jaxpr = jax.make_jaxpr(lambda *x: codec.encode_many(list(x), 256))(*xs)
-  assert [e.primitive.name for e in jaxpr.eqns].count("reduce") == 1
+  assert [e.primitive.name for e in all_eqns(jaxpr.jaxpr)].count("reduce") == 1
 
 
 @pytest.mark.parametrize(

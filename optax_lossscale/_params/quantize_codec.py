@@ -12,6 +12,7 @@ builds the optax transformation on it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -288,6 +289,14 @@ def encode_many(
         f"quantize_state encodes real floating arrays, got a {jnp.dtype(x.dtype).name} "
         f"array of shape {tuple(x.shape)}."
       )
+  return _encode_many(list(xs), block_size, sqrt, stochastic)
+
+
+# One program, not hundreds of operations dispatched one by one where it
+# runs outside a jitted function (an optimizer's init, usually); inside one
+# it is inlined.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _encode_many(xs: list, block_size: int, sqrt: bool, stochastic: bool) -> list:
   # The codes are integers: like rounding, quantising has no derivative, so
   # the stored state carries none (its scales would carry a partial one).
   xs = [jax.lax.stop_gradient(x) for x in xs]
@@ -342,6 +351,7 @@ def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLe
   return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
 
 
+@jax.jit  # one program (see _encode_many)
 def _decode(q: QuantizedLeaf) -> jax.Array:
   """float32 values of ``q``'s codes in the maps its scales' signs select
   (squared for an unsigned block stored as square roots)."""
