@@ -161,6 +161,42 @@ def test_a_failing_command_writes_nothing_and_fails(tmp_path):
     assert (tmp_path / "a.txt").read_text() == text
 
 
+def _meeting(here, other, folder):
+  """A result file's first line: a command that marks itself started, waits up
+  to a minute for ``other`` to start too, and prints whether it did."""
+  code = (
+    f"import pathlib, time; d = pathlib.Path('{folder}'); "
+    f"(d / '{here}.started').touch(); end = time.time() + 60; "
+    f"met = lambda: (d / '{other}.started').exists(); "
+    "any(time.sleep(0.05) for _ in iter(lambda: met() or time.time() > end, True)); "
+    f"print('{here} met' if met() else '{here} alone')"
+  )
+  return f'$ python -c "{code}"'
+
+
+@pytest.mark.integration
+def test_jobs_run_commands_at_the_same_time_and_report_in_order(tmp_path):
+  # Each command finishes "met" only if the other ran while it waited.
+  marks = tmp_path / "marks"
+  marks.mkdir()
+  for here, other in (("b", "a"), ("a", "b")):
+    (tmp_path / f"{here}.txt").write_text(
+      f"{_meeting(here, other, marks)}\n{here} met\n"
+    )
+  result = _script("--check", "--jobs", "2", "--results", str(tmp_path), "b", "a")
+  assert result.returncode == 0, result.stdout + result.stderr
+  reports = [line for line in result.stdout.splitlines() if ": same" in line]
+  assert [r.split(":")[0] for r in reports] == ["b", "a"], result.stdout
+
+
+@pytest.mark.parametrize("jobs", ["0", "-1"])
+def test_jobs_below_one_are_an_argparse_error(jobs, capsys, tmp_path):
+  with pytest.raises(SystemExit) as e:
+    regenerate.parse_args(["--jobs", jobs, "--results", str(tmp_path)])
+  assert e.value.code == 2
+  assert f"--jobs must be at least 1, got {jobs}" in capsys.readouterr().err
+
+
 @pytest.mark.integration
 def test_an_unknown_name_is_an_argparse_error(tmp_path):
   (tmp_path / "a.txt").write_text(_printing("x") + "\nx\n")

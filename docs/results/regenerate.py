@@ -11,6 +11,10 @@ file whose command drew it; the file the command's ``plot: PATH`` line
 names is copied over it. A command that exits with an error writes
 nothing.
 
+``--jobs N`` runs N commands at a time (each on the same ``CPUS`` CPUs,
+so in the same configuration: the numbers they print do not change, their
+timings do); the reports come in the order of the names.
+
 ``--check`` runs the commands and writes nothing: it prints a unified diff
 and exits 1 when a file differs from what its command prints now. One kind
 of line is kept out of the comparison by a rule, ``timings``: a number that
@@ -35,14 +39,15 @@ fewer CPUs, or another CPU whose instructions XLA compiles for differently,
 may print other last digits. The plots are not compared (they are drawn from
 the numbers that are).
 
-Run:  python docs/results/regenerate.py [NAME ...]
-      python docs/results/regenerate.py --check [NAME ...]
+Run:  python docs/results/regenerate.py [--jobs N] [NAME ...]
+      python docs/results/regenerate.py --check [--jobs N] [NAME ...]
 (NAME: a result file's name without ``.txt``; none: every file.)
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import difflib
 import os
 import re
@@ -189,7 +194,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     default=HERE,
     help="the directory of the result files",
   )
+  p.add_argument(
+    "--jobs",
+    type=int,
+    default=1,
+    help="how many commands run at a time",
+  )
   args = p.parse_args(argv)
+  if args.jobs < 1:
+    p.error(f"--jobs must be at least 1, got {args.jobs}")
   known = sorted(
     f[: -len(".txt")] for f in os.listdir(args.results) if f.endswith(".txt")
   )
@@ -210,46 +223,58 @@ def main(argv=None) -> int:
     )
   failed = []
   start = time.perf_counter()
-  for name in args.names:
+
+  def attempt(name):
+    """The published text, the command's first line and how it ran (or why not)."""
     path = os.path.join(args.results, f"{name}.txt")
     with open(path) as f:
       published = f.read()
     try:
       words = command_of(published, path)
     except ValueError as e:
-      print(f"error: {e}", file=sys.stderr)
-      failed.append(name)
-      continue
-    first_line = published.split("\n", 1)[0]
-    print(f"{name}: {first_line}", flush=True)
+      return published, None, e
     t0 = time.perf_counter()
-    status, stdout, stderr = run(words)
-    took = time.perf_counter() - t0
-    if status != 0:
-      print(f"{name}: the command exited {status} after {took:.0f} s:", file=sys.stderr)
-      print(stderr[-4000:], file=sys.stderr)
-      failed.append(name)
-      continue
-    now = rendered(first_line, stdout)
-    if args.check:
-      diff = difference(name, published, now)
-      print(f"{name}: {'differs' if diff else 'same'} ({took:.0f} s)", flush=True)
-      if diff:
-        print(diff, end="", flush=True)
+    ran = run(words)
+    return published, published.split("\n", 1)[0], (*ran, time.perf_counter() - t0)
+
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    # map's results come in the names' order, each as soon as it and those
+    # before it are done.
+    outcomes = pool.map(attempt, args.names)
+    for name, (published, first_line, ran) in zip(args.names, outcomes, strict=True):
+      if first_line is None:
+        print(f"error: {ran}", file=sys.stderr)
         failed.append(name)
-      continue
-    with open(path, "w") as f:
-      f.write(now)
-    print(f"{name}: written ({took:.0f} s)", flush=True)
-    for plot, source in PLOTS.items():
-      if source == name:
-        drawn = plot_path(stdout)
-        if drawn is None or not os.path.isfile(drawn):
-          print(f"{name}: no plot for {plot} (plot line: {drawn})", file=sys.stderr)
+        continue
+      print(f"{name}: {first_line}", flush=True)
+      status, stdout, stderr, took = ran
+      if status != 0:
+        exited = f"{name}: the command exited {status} after {took:.0f} s:"
+        print(exited, file=sys.stderr)
+        print(stderr[-4000:], file=sys.stderr)
+        failed.append(name)
+        continue
+      now = rendered(first_line, stdout)
+      if args.check:
+        diff = difference(name, published, now)
+        print(f"{name}: {'differs' if diff else 'same'} ({took:.0f} s)", flush=True)
+        if diff:
+          print(diff, end="", flush=True)
           failed.append(name)
-          continue
-        shutil.copyfile(drawn, os.path.join(args.results, plot))
-        print(f"{name}: {plot} copied from {os.path.relpath(drawn, ROOT)}")
+        continue
+      path = os.path.join(args.results, f"{name}.txt")
+      with open(path, "w") as f:
+        f.write(now)
+      print(f"{name}: written ({took:.0f} s)", flush=True)
+      for plot, source in PLOTS.items():
+        if source == name:
+          drawn = plot_path(stdout)
+          if drawn is None or not os.path.isfile(drawn):
+            print(f"{name}: no plot for {plot} (plot line: {drawn})", file=sys.stderr)
+            failed.append(name)
+            continue
+          shutil.copyfile(drawn, os.path.join(args.results, plot))
+          print(f"{name}: {plot} copied from {os.path.relpath(drawn, ROOT)}")
   # One closing line, in pytest's form (CI's summary of the suite reads it).
   counts = [f"{len(args.names) - len(failed)} passed"]
   counts += [f"{len(failed)} failed"] if failed else []
