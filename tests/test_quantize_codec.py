@@ -129,14 +129,19 @@ def test_each_element_takes_its_nearest_code(shape, block, scales):
   flat = x.reshape(-1)
   pad = -flat.size % block
   blocks = np.concatenate([flat, np.zeros(pad, np.float32)]).reshape(-1, block)
-  absmax = np.abs(blocks).max(axis=1)
+  # A block's scale: the least that puts its values in its map's range, 0
+  # to 1, or -0.993 (the signed map's least value) to 1 (times the float32
+  # reciprocal of 0.993).
+  end = -q.dynamic_map(True)[0]
+  absmax = np.maximum(blocks.max(axis=1), -blocks.min(axis=1) * (np.float32(1) / end))
   signed = (blocks < 0).any(axis=1)
+  assert (-blocks.min(axis=1) > blocks.max(axis=1)).any()  # such blocks too
   np.testing.assert_array_equal(
     np.asarray(leaf.scales).reshape(-1), np.where(signed, -absmax, absmax)
   )
   want = [
-    _nearest(np.clip(b * (np.float32(1) / np.abs(b).max()), -1, 1), q.dynamic_map(s))
-    for b, s in zip(blocks, signed, strict=True)
+    _nearest(np.clip(b * (np.float32(1) / a), -1, 1), q.dynamic_map(s))
+    for b, a, s in zip(blocks, absmax, signed, strict=True)
   ]
   np.testing.assert_array_equal(
     np.asarray(leaf.codes).reshape(-1), np.concatenate(want)[: flat.size]
@@ -171,7 +176,7 @@ def test_stochastic_rounding_takes_a_neighbour_right_on_average(signed):
   x = np.ones((400, 256), np.float32)
   x[:, 1:] = vals.reshape(400, 255)
   if signed:
-    x[:, 0] = -1.0
+    x[:, 0] = code[0]  # the map's least value, -0.993: the scale stays 1
   leaf = q.encode(jnp.asarray(x), 256, sqrt=False, stochastic=True)
   codes = np.asarray(leaf.codes)[:, 1:]
   assert set(np.unique(codes)) == {k, k + 1}  # the two around it, both drawn

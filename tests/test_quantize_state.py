@@ -374,3 +374,23 @@ def test_the_checkpoint_guard_names_a_non_finite_block():
   # the block holding the NaN, no other
   scales = np.asarray(state.inner_state[0].mu["w"].scales)
   assert np.isinf(scales).sum() == 1 and np.isinf(scales[3, 1])
+
+
+def test_an_update_encodes_each_quantised_leaf_once(monkeypatch):
+  """The state's expected layout follows from shapes (``codec.layout``):
+  tracing ``update`` encodes the new moments, nothing more (it once ran
+  ``init`` abstractly, encoding every leaf twice)."""
+  params = {"w": jnp.zeros((64, 256)), "v": jnp.zeros((32, 256)), "b": jnp.zeros(7)}
+  tx = ols.quantize_state(optax.adam(1e-3))
+  state = tx.init(params)
+  encoded = []
+
+  def counting(xs, *args):
+    encoded.extend(x.shape for x in xs)
+    return encode_many(xs, *args)
+
+  encode_many = q.encode_many
+  monkeypatch.setattr(q, "encode_many", counting)
+  monkeypatch.setattr(q, "encode", lambda *a: pytest.fail("init's encoder in update"))
+  jax.make_jaxpr(tx.update)(params, state, params)
+  assert sorted(encoded) == [(32, 256), (32, 256), (64, 256), (64, 256)]

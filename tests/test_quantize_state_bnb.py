@@ -48,6 +48,50 @@ def at_rounded_midpoint(scaled, code):
   return np.isin(scaled, up)
 
 
+def departs(blocks):
+  """The blocks whose scale is not bitsandbytes' largest magnitude: those
+  whose least value, divided by 0.993 (the signed map's least value, so
+  that it is stored as itself), exceeds their largest. bitsandbytes scales
+  them by their largest magnitude, and stores their least value 0.7%
+  short."""
+  scale = np.float32(1) / -q.dynamic_map(True)[0]
+  return (blocks.min(axis=1) < 0) & (-blocks.min(axis=1) * scale > blocks.max(axis=1))
+
+
+def our_scales(blocks):
+  """Each block's scale, as the guide states it: its largest magnitude, or
+  for a block that :func:`departs`, its least value divided by 0.993."""
+  scale = np.float32(1) / -q.dynamic_map(True)[0]
+  return np.maximum(np.abs(blocks).max(axis=1), -blocks.min(axis=1) * scale)
+
+
+def nearest(scaled, code):
+  """Nearest code index in float64, ties to the lower index."""
+  d = np.abs(scaled[:, None].astype(np.float64) - code[None, :].astype(np.float64))
+  return np.argmin(d, axis=1)
+
+
+def assert_codes(ours, theirs, x, code):
+  """``ours`` (codes and scales of ``x``) are bitsandbytes' (``theirs``)
+  in the blocks that do not depart (but at a rounded midpoint, below), and
+  in those that do, each value's nearest code under our scale."""
+  codes, absmax = theirs
+  blocks = x.reshape(-1, 256)
+  out = departs(blocks)
+  got_abs = np.abs(np.asarray(ours.scales)).reshape(-1)
+  np.testing.assert_array_equal(got_abs[~out], absmax[~out])
+  np.testing.assert_array_equal(got_abs[out], our_scales(blocks)[out])
+  got = np.asarray(ours.codes).reshape(-1, 256)
+  scaled = np.clip(blocks * (np.float32(1) / absmax[:, None]), -1, 1)
+  ties = at_rounded_midpoint(scaled, code)
+  kept = ~out[:, None] & ~ties
+  np.testing.assert_array_equal(got[kept], codes.reshape(-1, 256)[kept])
+  assert ties.sum() <= 2  # a tie is rare: counted, not hidden
+  mine = np.clip(blocks[out] * (np.float32(1) / got_abs[out][:, None]), -1, 1)
+  np.testing.assert_array_equal(got[out].reshape(-1), nearest(mine.reshape(-1), code))
+  return out
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_maps_are_bitsandbytes_within_two_units_in_the_last_place(bits):
   # 8 bits: quantize_state's maps; 4: what benchmarks/quantize_4bit.py
@@ -75,13 +119,10 @@ def test_codes_and_scales_equal_quantize_blockwise(signed):
   leaf = q.encode(jnp.asarray(x), 256, sqrt=False)
   code = q.dynamic_map(signed)
   codes, absmax = portable_quantize(torch.from_numpy(x), torch.from_numpy(code))
-  np.testing.assert_array_equal(np.abs(np.asarray(leaf.scales)), absmax)
   assert bool(jnp.all((leaf.scales < 0) == signed))
-  scaled = np.clip(x.reshape(-1, 256) * (np.float32(1) / absmax[:, None]), -1, 1)
-  ties = at_rounded_midpoint(scaled.reshape(-1), code)
-  ours = np.asarray(leaf.codes)
-  np.testing.assert_array_equal(ours[~ties], codes[~ties])
-  assert ties.sum() <= 2  # a tie is rare: counted, not hidden
+  out = assert_codes(leaf, (codes, absmax), x, code)
+  # about half of the signed blocks have their largest magnitude below 0
+  assert (0.25 < out.mean() < 0.75) if signed else not out.any()
   # the C kernel is the one that differs (small values one code off)
   c_codes, _ = bnb.functional.quantize_blockwise(
     torch.from_numpy(x), code=torch.from_numpy(code), blocksize=256
@@ -109,11 +150,10 @@ def test_one_update_equals_quantize_blockwise_of_adams_new_moments(store_sqrt):
     want = np.array(getattr(ref[0], name)["w"])
     if store_sqrt and not signed:
       want = np.sqrt(want)
-    codes, absmax = portable_quantize(
-      torch.from_numpy(want), torch.from_numpy(q.dynamic_map(signed))
-    )
-    np.testing.assert_array_equal(np.abs(np.asarray(got.scales)).reshape(-1), absmax)
-    np.testing.assert_array_equal(np.asarray(got.codes), codes)
+    code = q.dynamic_map(signed)
+    theirs = portable_quantize(torch.from_numpy(want), torch.from_numpy(code))
+    out = assert_codes(got, theirs, want, code)
+    assert out.any() if signed else not out.any()
 
 
 def _nearest_cpu_kernel(monkeypatch):
@@ -168,21 +208,50 @@ def test_fifty_steps_follow_adam8bit(monkeypatch):
     u, state = tx.update(g, state, params)
     return optax.apply_updates(params, u), state
 
+  departed = np.zeros(shape[0] * shape[1] // 256, bool)  # at any step
   for g in grads:
     w.grad = torch.from_numpy(g)
     opt.step()
     params, state = step(params, state, {"w": jnp.asarray(g)})
+    mu_now = np.asarray(ols.dequantize_state(state)[0].mu["w"]).reshape(-1, 256)
+    departed = departs(mu_now) | departed
   theirs = w.detach().numpy()
   ours = np.asarray(params["w"])
   moved = np.abs(theirs - p0)
   assert np.median(moved) > 0.5 * steps * lr  # both trained
+  # Each block (a row) follows from its own gradients. Those whose scale was
+  # bitsandbytes' at every step stay within the bound; in the others
+  # bitsandbytes stores the least first moment 0.7% short at each step, and
+  # ours keeps it (against float32 Adam's; the median over those blocks: the
+  # least element may change within a block).
+  ours_mu = np.asarray(ols.dequantize_state(state)[0].mu["w"]).reshape(-1, 256)
+  same = ~departed
+  assert 0 < same.sum() < same.size
   diff = np.abs(ours - theirs)
-  assert diff.max() <= steps * lr / 4
-  # and the moments agree code for code but for a few
+  assert diff[same].max() <= steps * lr / 4
+  exact = jnp.asarray(p0)
+  exact_state = adam.init(exact)
+  for g in grads:
+    u, exact_state = adam.update(jnp.asarray(g), exact_state, exact)
+    exact = exact + u
+  exact_mu = np.asarray(exact_state[0].mu).reshape(-1, 256)[~same]
+  least = np.argmin(exact_mu, axis=1)
   s = opt.state[w]
+  theirs_mu = q.dynamic_map(True)[s["state1"].numpy().reshape(-1, 256)]
+  theirs_mu = theirs_mu * s["absmax1"].numpy()[:, None]
+  rows = np.arange(least.size)
+  ours_least = ours_mu[~same][rows, least] / exact_mu[rows, least]
+  theirs_least = theirs_mu[~same][rows, least] / exact_mu[rows, least]
+  assert np.median(np.abs(ours_least - 1)) < 1e-3, ours_least
+  assert np.median(theirs_least) < 0.97, theirs_least
+  # and the moments agree code for code but for a few, in the blocks that kept
+  # bitsandbytes' scale
   mu, nu = state.inner_state[0].mu["w"], state.inner_state[0].nu["w"]
+  kept = lambda c: np.asarray(c).reshape(-1, 256)[same]  # noqa: E731
   for ours_codes, theirs_codes in ((mu.codes, s["state1"]), (nu.codes, s["state2"])):
-    assert (np.asarray(ours_codes) != theirs_codes.numpy()).mean() < 1e-3
+    assert (kept(ours_codes) != kept(theirs_codes.numpy())).mean() < 1e-3
   np.testing.assert_allclose(
-    np.abs(np.asarray(mu.scales)).reshape(-1), s["absmax1"].numpy(), rtol=1e-3
+    np.abs(np.asarray(mu.scales)).reshape(-1)[same],
+    s["absmax1"].numpy()[same],
+    rtol=1e-3,
   )

@@ -246,3 +246,45 @@ def test_dequantize_state_of_an_abstract_state():
   assert jax.tree.structure(got) == jax.tree.structure(want)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+# --------------------------------------------------------------------------
+# The signed map's end: -0.993, not -1.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spread", [False, True], ids=["constant", "spread"])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+@pytest.mark.parametrize(
+  "name, opt, field",
+  [
+    ("sgd momentum 0.99", optax.sgd(1.0, momentum=0.99), "trace"),
+    ("adam", optax.adam(1e-3), "mu"),
+  ],
+  ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_a_steady_gradient_keeps_its_first_moment_whatever_its_sign(
+  name, opt, field, sign, spread
+):
+  """1000 steps of one gradient: the stored first moment stays within 1% of
+  float32's, its largest magnitude within 0.1%, for either sign (a block
+  whose largest magnitude was negative lost 0.7% at each requantisation:
+  0.59 of float32's for momentum 0.99, 0.93 for Adam)."""
+  n = 4096
+  g = sign * (jnp.linspace(0.5, 1.0, n) if spread else jnp.ones(n))
+  params = {"w": jnp.zeros(n)}
+  tx = ols.quantize_state(opt)
+
+  @jax.jit
+  def run():
+    def body(_, states):
+      s, r = states
+      return tx.update({"w": g}, s, params)[1], opt.update({"w": g}, r, params)[1]
+
+    return jax.lax.fori_loop(0, 1000, body, (tx.init(params), opt.init(params)))
+
+  state, ref = run()
+  got = getattr(ols.dequantize_state(state)[0], field)["w"]
+  want = getattr(ref[0], field)["w"]
+  assert abs(float(got[-1] / want[-1]) - 1) < 1e-3, (name, float(got[-1] / want[-1]))
+  assert abs(float(jnp.mean(got) / jnp.mean(want)) - 1) < 1e-2

@@ -3,9 +3,10 @@
 bitsandbytes' dynamic quantisation map (Dettmers et al. 2022, "8-bit
 Optimizers via Block-wise Quantization"), signed and unsigned, and one
 leaf's codec: blocks of consecutive elements with one float32 scale (their
-largest magnitude), each element rounded to the nearest value of its
-block's map (the unsigned one for a block that is all ``>= 0``, which holds
-its values' square roots when asked), and back. :mod:`.quantize_state`
+largest magnitude, or a little more where the signed map's end needs it),
+each element rounded to the nearest value of its block's map (the unsigned
+one for a block that is all ``>= 0``, which holds its values' square roots
+when asked), and back. :mod:`.quantize_state`
 builds the optax transformation on it.
 """
 
@@ -22,7 +23,14 @@ import numpy as np
 
 from optax_lossscale._params import rounding as _rounding
 
-__all__ = ["QuantizedLeaf", "dynamic_map", "encode", "encode_many", "thresholds"]
+__all__ = [
+  "QuantizedLeaf",
+  "dynamic_map",
+  "encode",
+  "encode_many",
+  "layout",
+  "thresholds",
+]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -125,7 +133,9 @@ class QuantizedLeaf:
     codes: uint8, the leaf's shape: each element's index in its block's map.
     scales: float32, one per block (shape: the leaf's leading axes that the
       blocks do not span, then the number of blocks): the block's largest
-      magnitude, negated for a block that uses the signed map; infinite
+      magnitude (or its least value's magnitude over 0.993, the signed
+      map's least value, where that is larger), negated for a block that
+      uses the signed map; infinite
       where the block held NaN or an infinity (its values then dequantise
       to infinities and NaN).
     dtype: the dtype the inner transformation made the leaf in.
@@ -266,6 +276,22 @@ def _stochastic(s: jax.Array, signed: jax.Array, nearest: jax.Array) -> jax.Arra
   return lo + (_rounding.uniform_of(s) < p).astype(jnp.int32)
 
 
+def layout(x: Any, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
+  """The :class:`QuantizedLeaf` :func:`encode` makes of ``x`` (an array or
+  its abstract value), abstract: its codes' and scales' shapes and dtypes,
+  from ``x``'s shape alone (nothing is encoded)."""
+  shape = tuple(x.shape)
+  k = _block_axis(shape, block_size)
+  blocks = -(-math.prod(shape[k:]) // block_size)
+  return QuantizedLeaf(
+    jax.ShapeDtypeStruct(shape, jnp.uint8),
+    jax.ShapeDtypeStruct((*shape[:k], blocks), _F32),
+    jnp.dtype(x.dtype),
+    block_size,
+    sqrt,
+  )
+
+
 def encode(
   x: jax.Array, block_size: int, sqrt: bool = True, stochastic: bool = False
 ) -> QuantizedLeaf:
@@ -324,6 +350,11 @@ def _encode_many(xs: list, block_size: int, sqrt: bool, stochastic: bool) -> lis
   ]
 
 
+#: The magnitude of the signed map's least value (0.9930, short of 1).
+_SIGNED_END = np.float32(-dynamic_map(True)[0])
+#: Its reciprocal in float32: a multiplication, which XLA leaves as it is.
+_SIGNED_SCALE = np.float32(1) / _SIGNED_END
+
 #: Above it, ``1 / absmax`` is below float32's normal range (where XLA may
 #: flush it to 0): such a block is normalised by ``absmax * 2**-4`` instead.
 _HUGE = np.float32(2.0**126)
@@ -334,7 +365,13 @@ def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLe
   least and largest values."""
   lo, hi = lo[..., None], hi[..., None]
   signed = lo < 0
-  absmax = jnp.where(signed, jnp.maximum(-lo, hi), jnp.sqrt(hi) if sqrt else hi)
+  # The signed map ends at 1 above but at -_SIGNED_END below: a block whose
+  # least value has the larger magnitude is scaled so that it is that end
+  # (stored as itself, not 0.7% short at each requantisation); where that
+  # would overflow, by its magnitude.
+  end = -lo * _SIGNED_SCALE
+  end = jnp.where(jnp.isinf(end) & jnp.isfinite(lo), -lo, end)
+  absmax = jnp.where(signed, jnp.maximum(end, hi), jnp.sqrt(hi) if sqrt else hi)
   if sqrt:
     b = jnp.where(signed, b, jnp.sqrt(jnp.where(signed, 0.0, b)))
   # f is 1 for every block below _HUGE, so these are b * (1 / absmax) there,

@@ -7,7 +7,10 @@ accumulator) as 8-bit codes with one float32 scale per block of
 optimizers (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
 Quantization"):
 
-* the scale of a block is its largest magnitude (its "absmax");
+* the scale of a block is its largest magnitude (its "absmax"), or, where
+  its least value has the larger magnitude, that magnitude divided by
+  0.993, the signed map's least value (which bitsandbytes does not do: its
+  blocks store that value 0.7% short, at every update);
 * each element is divided by it (multiplied by its reciprocal, as
   bitsandbytes does) and rounded to the nearest of 256 values of the
   *dynamic quantisation map*, a code of one sign bit, a run of zeros that
@@ -27,6 +30,7 @@ Quantization"):
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -37,11 +41,13 @@ import optax
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._params import moments as _moments
 from optax_lossscale._params.quantize_codec import (
   QuantizedLeaf,
   dynamic_map,
   encode,
   encode_many,
+  layout,
 )
 
 __all__ = [
@@ -123,17 +129,30 @@ def quantize_state(
   min_size: int = 4096,
   store_sqrt: bool = True,
   rounding: str = "nearest",
+  select: Callable[[tuple, Any], bool] | None = None,
 ) -> QuantizeState:
-  """``inner`` with its large state leaves stored in 8 bits, blockwise.
+  """``inner`` with its moments stored in 8 bits, blockwise.
 
-  A leaf of ``inner``'s state is quantised when it is a real floating array
-  with the shape of one of the parameters and at least ``min_size``
-  elements (Adam's ``mu`` and ``nu``, SGD's momentum, ...); other leaves
-  (counters, scalars, small leaves) are kept as ``inner`` made them. It is
-  stored as a :class:`QuantizedLeaf`: blocks of ``block_size`` consecutive
+  A leaf of ``inner``'s state is quantised when it is a moment, a real
+  floating array with the shape of one of the parameters and at least
+  ``min_size`` elements. A moment is a leaf in a moment field of a state
+  type optax or this library defines (Adam's ``mu`` and ``nu``, SGD's
+  momentum ``trace``, RMSprop's ``nu``, Lion's, Adafactor's, Prodigy's
+  ``exp_avg`` and ``exp_avg_sq``, ...); a copy of the parameters (the
+  average :func:`ema_params` keeps, schedule-free's ``z``, Prodigy's
+  ``params0``), a hyper-parameter of ``optax.inject_hyperparams``, a
+  counter, and any leaf of a state type it does not know are kept as
+  ``inner`` made them, whatever their size. ``select`` chooses instead:
+  ``select(path, leaf)`` (the leaf's key path in ``inner``'s state, as
+  ``jax.tree_util.tree_flatten_with_path`` gives it) is ``True`` for a
+  leaf to quantise, which must then be a real floating array of at least
+  ``min_size`` elements, of any shape. A quantised leaf is stored as a
+  :class:`QuantizedLeaf`: blocks of ``block_size`` consecutive
   elements of the flattened leaf (blocks that do not cross the leaf's
   leading axes where its trailing ones hold whole blocks), one float32
-  scale per block, 8-bit codes of bitsandbytes' dynamic map (unsigned for
+  scale per block (its largest magnitude, or its least value's magnitude
+  over 0.993 where that is larger: both ends of the map hold a value as
+  it is), 8-bit codes of bitsandbytes' dynamic map (unsigned for
   a block that is all ``>= 0``, signed otherwise), rounded to nearest by
   default.
   With ``store_sqrt`` (the default) a block that is all ``>= 0`` is stored
@@ -168,6 +187,9 @@ def quantize_state(
     min_size: leaves with fewer elements are not quantised (>= 0).
     store_sqrt: store the square roots of a block that is all ``>= 0``.
     rounding: ``"nearest"`` or ``"stochastic"``.
+    select: ``None`` (the moments), or a function of a state leaf's key
+      path and the leaf (an array, or its ``jax.ShapeDtypeStruct`` where a
+      state is checked) returning ``True`` or ``False``.
 
   Returns:
     A :class:`QuantizeState` (an ``optax.GradientTransformationExtraArgs``)
@@ -175,8 +197,11 @@ def quantize_state(
 
   Raises:
     ValueError: a bad ``bits``, ``block_size``, ``min_size``,
-      ``store_sqrt`` or ``rounding``; ``init``
-      where ``inner``'s state holds a :func:`master_weights` state;
+      ``store_sqrt``, ``rounding`` or ``select``; ``init``
+      where ``inner``'s state holds a :func:`master_weights` state, where
+      ``select`` returns something else than ``True`` or ``False``, and
+      where nothing would be quantised while leaves of a state it does not
+      know have the parameters' shapes (naming them: pass ``select``);
       ``update`` with a state made for other parameters or by another
       transformation (naming the leaf).
 
@@ -216,21 +241,54 @@ def quantize_state(
     callable(getattr(inner, "init", None)) and callable(getattr(inner, "update", None))
   ):
     raise ValueError(f"`inner` must be an optax GradientTransformation, got {inner!r}.")
+  if select is not None and not callable(select):
+    raise ValueError(f"`select` must be None or a function, got {select!r}.")
   wrapped = optax.with_extra_args_support(inner)
 
-  def quantized(inner_state, shapes):
-    def leaf(x):
-      if (
-        _tree.is_float_array(x)
-        and jnp.issubdtype(x.dtype, jnp.floating)  # complex leaves are kept
-        and tuple(x.shape) in shapes
-        and x.size >= min_size
-        and x.size > 0
-      ):
-        return encode(x, block_size, store_sqrt, stochastic)
-      return x
+  def chosen(inner_state, shapes) -> list[int]:
+    """The indices (in ``jax.tree.leaves`` order) of the leaves to quantise."""
+    with_paths = jax.tree_util.tree_flatten_with_path(inner_state)[0]
+    sized = [_floating(x) and x.size >= min_size and x.size > 0 for _, x in with_paths]
+    if select is not None:
+      return [
+        i
+        for i, (path, x) in enumerate(with_paths)
+        if _selected(select, path, x) and sized[i]
+      ]
+    marks = _moments.marks(inner_state)
+    shaped = [
+      sized[i] and tuple(x.shape) in shapes for i, (_, x) in enumerate(with_paths)
+    ]
+    out = [i for i, m in enumerate(marks) if m and shaped[i]]
+    unknown = [
+      _tree.keystr(path)
+      for i, (path, _) in enumerate(with_paths)
+      if marks[i] is None and shaped[i]
+    ]
+    if not out and unknown:
+      raise ValueError(
+        "quantize_state: nothing in the inner state is a moment of a state it "
+        f"knows, and the leaves at {', '.join(unknown[:4])}"
+        f"{' ...' if len(unknown) > 4 else ''} have the parameters' shapes but "
+        "belong to a state it does not know (a moment, or a copy of the "
+        "parameters?). Name the leaves to quantise: select=lambda path, leaf: ..."
+      )
+    return out
 
-    return jax.tree.map(leaf, inner_state)
+  def quantized(inner_state, shapes):
+    leaves, treedef = jax.tree.flatten(inner_state)
+    for i in chosen(inner_state, shapes):
+      leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic)
+    return jax.tree.unflatten(treedef, leaves)
+
+  def expected(params):
+    """The state ``init_fn(params)`` makes, abstract, without encoding
+    anything: the quantised leaves' layouts follow from their shapes."""
+    inner_state = jax.eval_shape(wrapped.init, params)
+    leaves, treedef = jax.tree.flatten(inner_state)
+    for i in chosen(inner_state, _shapes(params)):
+      leaves[i] = layout(leaves[i], block_size, store_sqrt)
+    return QuantizedState(jax.tree.unflatten(treedef, leaves))
 
   def init_fn(params):
     inner_state = wrapped.init(params)
@@ -240,8 +298,7 @@ def quantize_state(
         "master weights would be quantised. Put quantize_state inside it: "
         "master_weights(quantize_state(optax.adam(...)))."
       )
-    shapes = {tuple(p.shape) for p in jax.tree.leaves(params) if _tree.is_array(p)}
-    return QuantizedState(quantized(inner_state, shapes))
+    return QuantizedState(quantized(inner_state, _shapes(params)))
 
   def requantized(template, new_state, like):
     """``new_state`` quantised where ``template`` (the old state) was; the
@@ -269,7 +326,7 @@ def quantize_state(
   def update_fn(updates, state, params=None, **extra_args):
     _state.check_state_type("quantize_state", state, QuantizedState)
     like = params if params is not None else updates
-    _check_layout(jax.eval_shape(init_fn, like), state)
+    _check_layout(expected(like), state)
     inner_state = _dequantized(state.inner_state, cast=True)
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
     return new_updates, QuantizedState(requantized(state.inner_state, new_inner, like))
@@ -283,7 +340,31 @@ def quantize_state(
     min_size=min_size,
     store_sqrt=store_sqrt,
     rounding=rounding,
+    select=select,
   )
+
+
+def _shapes(params: Any) -> set:
+  """The shapes of the parameters' arrays."""
+  return {tuple(p.shape) for p in jax.tree.leaves(params) if hasattr(p, "shape")}
+
+
+def _floating(x: Any) -> bool:
+  """A real floating array, or its abstract value (complex leaves are kept)."""
+  return (_tree.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and jnp.issubdtype(
+    x.dtype, jnp.floating
+  )
+
+
+def _selected(select: Callable, path: tuple, x: Any) -> bool:
+  """``select(path, x)``, which must be ``True`` or ``False``."""
+  picked = select(path, x)
+  if not isinstance(picked, (bool, np.bool_)):
+    raise ValueError(
+      f"quantize_state: select must return True or False, got {picked!r} for the "
+      f"leaf at {_tree.keystr(path)}."
+    )
+  return bool(picked)
 
 
 def _check_layout(expected: Any, state: Any) -> None:
@@ -327,7 +408,7 @@ def dequantize_state(state: Any) -> Any:
 
   For inspection and export: a :class:`QuantizedState` becomes the
   inner state it holds, each :class:`QuantizedLeaf` in it a float32 array
-  (codes' map values times their block's largest magnitude); everything
+  (codes' map values times their block's scale); everything
   else is returned as it is. Works on a state holding them at any depth
   (under a loss scale, in a chain).
 
