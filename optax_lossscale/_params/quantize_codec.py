@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._base import tree as _tree
 from optax_lossscale._params import rounding as _rounding
 
 __all__ = [
@@ -117,12 +118,49 @@ def _block_axis(shape: tuple, block_size: int) -> int:
 def _blocked(x: jax.Array, block_size: int) -> tuple[jax.Array, int]:
   """``x`` as ``(*x.shape[:k], blocks, block_size)``, zero-padded, and ``k``."""
   k = _block_axis(x.shape, block_size)
+  x = _whole_blocks(x, k, block_size)
   lead = x.shape[:k]
   x = x.reshape(*lead, -1)
   pad = -x.shape[-1] % block_size
   if pad:
     x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)])
   return x.reshape(*lead, -1, block_size), k
+
+
+def _whole_blocks(x: jax.Array, k: int, block_size: int) -> jax.Array:
+  """``x``, resharded where JAX's explicit sharding could not cut it into
+  blocks in place: where its axes from ``k`` on are sharded other than
+  each shard holding whole blocks of their first axis (a block would span
+  two devices), those axes are gathered (the blocks' values, and so the
+  codes, are the same on any sharding). Under automatic sharding, or
+  where each device holds whole blocks, ``x`` as it is."""
+  spec = _tree.explicit_spec(x)
+  if spec is None:
+    return x
+  spec = tuple(spec) + (None,) * (x.ndim - len(spec))
+  trailing = spec[k:]
+  if all(s is None for s in trailing):
+    return x
+  size = math.prod(x.shape[k:])
+  mesh = jax.typeof(x).sharding.mesh
+  names = trailing[0] if isinstance(trailing[0], tuple) else (trailing[0],)
+  shards = math.prod(mesh.shape[n] for n in names if n is not None)
+  if (
+    all(s is None for s in trailing[1:])
+    and size % block_size == 0
+    and (size // block_size) % shards == 0
+  ):
+    return x
+  return jax.sharding.reshard(x, jax.sharding.PartitionSpec(*spec[:k]))
+
+
+def _as_sharded_as(v: jax.Array, like: jax.Array) -> jax.Array:
+  """``v`` in ``like``'s explicit sharding, where :func:`_whole_blocks`
+  gathered ``like`` (a no-op otherwise)."""
+  spec = _tree.explicit_spec(like)
+  if spec is None or _tree.explicit_spec(v) == spec:
+    return v
+  return jax.sharding.reshard(v, jax.sharding.PartitionSpec(*spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -383,7 +421,7 @@ def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLe
   if stochastic:
     idx = _stochastic(s, signed, idx)
   codes = idx.astype(jnp.uint8).reshape(*x.shape[:k], -1)
-  codes = codes[..., : math.prod(x.shape[k:])].reshape(x.shape)
+  codes = _as_sharded_as(codes[..., : math.prod(x.shape[k:])].reshape(x.shape), x)
   scales = jnp.where(signed, -absmax, absmax)[..., 0]
   return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
 
@@ -398,4 +436,4 @@ def _decode(q: QuantizedLeaf) -> jax.Array:
   if q.sqrt:
     v = jnp.where(unsigned, v * v, v)
   v = v.reshape(*q.codes.shape[:k], -1)[..., : math.prod(q.codes.shape[k:])]
-  return v.reshape(q.codes.shape)
+  return _as_sharded_as(v.reshape(q.codes.shape), q.codes)

@@ -6,11 +6,11 @@ Runs in its own process, with 8 simulated CPU devices:
 
 ``dynamic_loss_scale(quantize_state(adam))`` is trained under ``jax.jit``
 with donated buffers on given gradients, a non-finite step included, with
-leaves sharded by rows, by columns (each device's columns whole blocks), as
-a vector, and a small float32 leaf replicated (not quantised). The
-parameters and the whole state (codes, scales) must equal an unsharded
-run's bit for bit; the codes keep the parameters' sharding, so no block
-straddles two devices; the skipped step changes nothing.
+leaves sharded by rows, by columns (each device's columns whole blocks, and
+a block spanning two devices' columns), as a vector, and a small float32
+leaf replicated (not quantised). The parameters and the whole state (codes,
+scales) must equal an unsharded run's bit for bit; the codes keep the
+parameters' sharding; the skipped step changes nothing.
 """
 
 import functools
@@ -40,6 +40,7 @@ BAD_STEP = 2
 SPECS = {  # name: (shape, sharding)
   "rows": ((4 * N, 512), P("data", None)),
   "cols": ((16, 256 * N), P(None, "data")),
+  "straddle": ((64, 128 * N), P(None, "data")),  # a block spans two devices
   "vec": ((512 * N,), P("data")),
   "small": ((7,), P()),
 }
@@ -98,7 +99,7 @@ def _train(tx, params, step_grads, shardings):
     if shardings is not None:
       adam = state.inner_state if isinstance(state, ols.LossScaleState) else state
       adam = adam.inner_state[0]
-      for k in ("rows", "cols", "vec"):
+      for k in ("rows", "cols", "straddle", "vec"):
         for moment in (adam.mu[k], adam.nu[k]):
           assert isinstance(moment, ols.QuantizedLeaf)
           # the codes lie as the parameter does: each device its own blocks
