@@ -5,16 +5,23 @@
   (and bare Adam again: the noise row); plotted to ``leaves.png``;
 * distinct: compile time on n leaves of distinct sizes 1, 2, ..., n (no two
   leaves share a compiled shape), adam, ours and ``apply_if_finite(adam)``;
-* finite: the finite check alone, one reduction per leaf against ours.
+* finite: the finite check alone, one reduction per leaf against ours;
+* tree: compile time of the update step on a GPT-2-shaped tree (d=128) of
+  2, 12 and 24 blocks (29, 149 and 293 leaves): adam, ``dynamic_loss_scale``,
+  ``quantize_state`` and ``dynamic_loss_scale(master_weights(quantize_state))``
+  on bfloat16 parameters, alone and inside ``lax.scan``, as ratios to adam,
+  with the lines XLA printed while compiling.
 
-Run:  python benchmarks/leaves.py [--quick] [--sections leaves,distinct,finite]
+Run:  python benchmarks/leaves.py [--quick] [--sections leaves,distinct,finite,tree]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
+import tempfile
 import time
 
 import jax
@@ -179,6 +186,94 @@ def finite_checks(calls, counts, total=2**23):
   return out, lines
 
 
+@contextlib.contextmanager
+def xla_lines(out):
+  """Appends to ``out`` the lines written to file descriptor 2 (where XLA
+  prints) inside the block."""
+  with tempfile.TemporaryFile("w+") as f:
+    saved = os.dup(2)
+    os.dup2(f.fileno(), 2)
+    try:
+      yield
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+      f.seek(0)
+      out.extend(line for line in f.read().splitlines() if line.strip())
+
+
+def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
+  """Compile time of the update step on GPT-2-shaped trees, per optimizer."""
+  from gpu_transformer import init_decoder
+
+  optimizers = {
+    "adam": (jnp.float32, lambda: optax.adam(LR)),
+    "dynamic_loss_scale(adam)": (
+      jnp.float32,
+      lambda: ols.dynamic_loss_scale(optax.adam(LR)),
+    ),
+    "quantize_state(adam)": (jnp.float32, lambda: ols.quantize_state(optax.adam(LR))),
+    "dls(master_weights(quantize_state(adam))), bf16": (
+      jnp.bfloat16,
+      lambda: ols.dynamic_loss_scale(
+        ols.master_weights(ols.quantize_state(optax.adam(LR)))
+      ),
+    ),
+  }
+  results, rows, printed = [], [], []
+  for blocks in block_counts:
+    p32 = init_decoder(jax.random.key(0), vocab=256, d_model=128, layers=blocks, seq=64)
+    leaves = len(jax.tree.leaves(p32))
+    for scanned in scans:
+      row = {"leaves": leaves, "scan": scanned}
+      for name, (dtype, make) in optimizers.items():
+        params = jax.tree.map(lambda p, d=dtype: p.astype(d), p32)
+        grads = jax.tree.map(lambda p: p * 1e-3, params)
+        tx = make()
+
+        def step(p, s, g, tx=tx):
+          u, s = tx.update(g, s, p)
+          return optax.apply_updates(p, u), s
+
+        def steps(p, s, gs, step=step):
+          return jax.lax.scan(lambda c, g: (step(*c, g), None), (p, s), gs)[0]
+
+        state = tx.init(params)
+        lines = []
+        with xla_lines(lines):
+          if scanned:
+            stacked = jax.tree.map(lambda g: jnp.stack([g] * scan_steps), grads)
+            row[name] = compile_s(steps, params, state, stacked)
+          else:
+            row[name] = compile_s(step, params, state, grads)
+        printed += [f"{leaves} leaves, {name}: {line}" for line in lines]
+        print(
+          f"  {leaves} leaves, scan {scanned}, {name}: {row[name]:.1f} s", flush=True
+        )
+      results.append(row)
+      base = row["adam"]
+      rows.append(
+        [
+          leaves,
+          "yes" if scanned else "no",
+          f"{base:.1f} s",
+          *[f"{row[n] / base:.2f}" for n in list(optimizers)[1:]],
+        ]
+      )
+  header = ["leaves", "in scan", "adam", *[f"`{n}`" for n in list(optimizers)[1:]]]
+  lines = [
+    "Compile time (trace, lower and compile, one run each) of the update "
+    "step on a GPT-2-shaped float32 tree (d_model 128, vocabulary 256), as "
+    f"a ratio to adam's; in scan: {scan_steps} steps in one `lax.scan`.",
+    "",
+    *table(header, rows, "r" * len(header)),
+    "",
+    f"Lines XLA printed while compiling: {len(printed)}.",
+    *[f"    {line}" for line in printed[:5]],
+  ]
+  return results, lines
+
+
 def sections(calls, quick, out_dir):
   """``{key: (title, run)}`` of this question's sections, as ``bench.py`` runs
   them (``--quick``: fewer leaves); ``run()`` returns ``(results, lines)``."""
@@ -199,6 +294,10 @@ def sections(calls, quick, out_dir):
       "The finite check alone",
       lambda: finite_checks(calls, [64, 1024, *more]),
     ),
+    "tree": (
+      "A transformer's tree: compile time",
+      lambda: decoder_trees([1] if quick else [2, 12, 24]),
+    ),
   }
 
 
@@ -208,7 +307,9 @@ def main(argv=None):
   p.add_argument(
     "--quick", action="store_true", help="few small leaves, 3 calls (a smoke run)"
   )
-  p.add_argument("--sections", default="leaves,distinct,finite", help="comma-separated")
+  p.add_argument(
+    "--sections", default="leaves,distinct,finite,tree", help="comma-separated"
+  )
   p.add_argument(
     "--out", default=None, help="also write the Markdown here (and the PNG)"
   )
@@ -221,6 +322,10 @@ def main(argv=None):
       "leaves": ("Number of leaves", lambda: leaves_sweep(3, [1, 16], total, rounds=1)),
       "distinct": ("Leaves of distinct sizes", lambda: distinct_shapes([10])),
       "finite": ("The finite check alone", lambda: finite_checks(3, [16], total)),
+      "tree": (
+        "A transformer's tree: compile time",
+        lambda: decoder_trees([1], 2, (False,)),
+      ),
     }
   else:
     runs = sections(args.calls, False, out_dir)
