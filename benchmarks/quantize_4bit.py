@@ -49,14 +49,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def qdq(x, values_signed, values_unsigned, block, sqrt):
   """``x`` rounded to what a block-quantised leaf holds: blocks of ``block``,
-  each scaled by its largest magnitude and rounded to the nearest value of
-  its map (signed where the block has a value below 0)."""
+  each scaled by its largest magnitude (a signed block, where it is larger,
+  by its least value's magnitude over the magnitude of the signed map's
+  least value, as the codec does) and rounded to the nearest value of its
+  map (signed where the block has a value below 0)."""
   flat = x.reshape(-1)
   pad = -flat.size % block
   b = jnp.pad(flat, (0, pad)).reshape(-1, block)
   signed = jnp.min(b, axis=1, keepdims=True) < 0
   y = b if not sqrt else jnp.where(signed, b, jnp.sqrt(jnp.maximum(b, 0)))
-  absmax = jnp.max(jnp.abs(y), axis=1, keepdims=True)
+  end = np.float32(1) / np.float32(-values_signed[0])
+  least = -jnp.min(y, axis=1, keepdims=True) * end
+  absmax = jnp.maximum(jnp.max(y, axis=1, keepdims=True), jnp.where(signed, least, 0))
   s = y / jnp.where(absmax > 0, absmax, 1.0)
 
   def nearest(values):  # as the codec rounds: up where s >= the threshold
