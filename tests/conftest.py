@@ -6,6 +6,11 @@ second JAX) belongs to the integration suite (``-m integration``); the
 everyday suite (``-m "not integration"``) stays in-process, and a test
 there that starts one fails, saying so.
 
+A test marked ``sampled`` runs a table of cases (its parameters' product);
+the everyday run takes a sample of it, each value of each parameter at
+least once; ``--cases rest`` runs only the cases the sample leaves out,
+``--cases all`` every case of every test (CI runs the sample and the rest).
+
 A run shares one persistent compilation cache, new for the run, among its
 pytest-xdist workers and the processes they start: a program many tests
 compile (the same emulated GEMM, the same optimizer step) is compiled once
@@ -38,7 +43,23 @@ _MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 _made_cache = pytest.StashKey[str]()
 
 
+def pytest_addoption(parser):
+  parser.addoption(
+    "--cases",
+    choices=("sample", "rest", "all"),
+    default="sample",
+    help="`sample` (the default): of a test marked `sampled`, a sample of its "
+    "cases with each value of each parameter; `rest`: only the cases the sample "
+    "leaves out; `all`: every case of every test",
+  )
+
+
 def pytest_configure(config):
+  config.addinivalue_line(
+    "markers",
+    "sampled: a table of cases, the product of the test's parameters: the "
+    "everyday run takes a sample with each value of each parameter (--cases).",
+  )
   config.addinivalue_line(
     "markers",
     "standard_promotion: the test runs third-party code (optax's adam, "
@@ -66,6 +87,47 @@ def pytest_unconfigure(config):
   if made is not None:
     shutil.rmtree(made, ignore_errors=True)
     del os.environ[_CACHE]
+
+
+def sample(cases):
+  """The cases (tuples of parameter indices) to keep: greedily, the case with
+  the most values not yet kept (the first in order of several), until every
+  value of every parameter is kept. A product of n values by n keeps its
+  diagonal, n cases."""
+  cases = list(cases)
+  wanted = {(axis, i) for case in cases for axis, i in enumerate(case)}
+  kept = []
+  while wanted:
+    best = max(cases, key=lambda c: len(wanted & set(enumerate(c))))
+    kept.append(best)
+    wanted -= set(enumerate(best))
+  return kept
+
+
+def pytest_collection_modifyitems(config, items):
+  cases = config.getoption("cases")
+  if cases == "all":
+    return
+  tables, values = {}, {}
+  for item in items:
+    if item.get_closest_marker("sampled") and hasattr(item, "callspec"):
+      key = (item.path, item.originalname)
+      params = sorted(item.callspec.params.items())
+      # each value by its place among the parameter's values (the same object)
+      case = tuple(
+        values.setdefault((key, name), {}).setdefault(id(v), len(values[key, name]))
+        for name, v in params
+      )
+      tables.setdefault(key, {})[case] = item
+  left = set()  # what the sample leaves out
+  for table in tables.values():
+    kept = {id(table[c]) for c in sample(table)}
+    left |= {id(item) for item in table.values() if id(item) not in kept}
+  out = [item for item in items if (id(item) in left) == (cases == "sample")]
+  if out:
+    config.hook.pytest_deselected(items=out)
+    gone = {id(item) for item in out}
+    items[:] = [item for item in items if id(item) not in gone]
 
 
 class ProcessOutsideIntegration(AssertionError):

@@ -36,6 +36,7 @@ def _own_result_type(a, b):
   return jnp.dot(a, b, preferred_element_type=jnp.bfloat16)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("matmul", RECIPES)
 @pytest.mark.parametrize("f", [_own_operands, _own_result_type])
 def test_a_matmul_the_function_put_in_bfloat16_stays_bfloat16(f, matmul):
@@ -88,6 +89,7 @@ NON_REAL = {
 }
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("matmul", RECIPES)
 @pytest.mark.parametrize("name", NON_REAL)
 def test_non_real_values_are_never_rewritten(name, matmul):

@@ -52,6 +52,7 @@ WEIGHT_SPELLINGS = {
 RECIPES = ["float8", "mxfp8", "nvfp4"]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("spelling", WEIGHT_SPELLINGS)
 def test_a_weight_matmul_gets_the_recipe_however_written(spelling, recipe):

@@ -124,6 +124,7 @@ def three_gemms(recipe, layout):
   return f
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_three_gemms_are_the_reference_recipes(recipe, layout):
@@ -179,7 +180,7 @@ def test_autocast_trains_within_the_recipes_error(matmul):
   params, x = _mlp()
   f = ols.autocast(_mlp_loss, compute_dtype=jnp.bfloat16, matmul=matmul)
   loss, grads = jax.jit(jax.value_and_grad(f))(params, x)
-  loss0, grads0 = jax.value_and_grad(_mlp_loss)(params, x)
+  loss0, grads0 = jax.jit(jax.value_and_grad(_mlp_loss))(params, x)
   tol = 0.1 if matmul == "mxfp8" else 0.35  # 3 mantissa bits, 1 mantissa bit
   assert abs(float(loss) - float(loss0)) <= tol * float(loss0)
   for k in params:
@@ -368,8 +369,10 @@ def test_flax_nnx_model_runs():
   def loss(state):
     return jnp.sum(nnx.merge(graphdef, state)(x) ** 2)
 
-  g = jax.grad(ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul="nvfp4"))(state)
-  g0 = jax.grad(loss)(state)
+  g = jax.jit(jax.grad(ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul="nvfp4")))(
+    state
+  )
+  g0 = jax.jit(jax.grad(loss))(state)
   leaves, leaves0 = jax.tree.leaves(g), jax.tree.leaves(g0)
   assert all(np.isfinite(np.asarray(a)).all() for a in leaves)
   k = next(i for i, a in enumerate(leaves0) if a.ndim == 2)

@@ -322,6 +322,7 @@ UNSCALERS = {
 }
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("entry", UNSCALERS)
 @pytest.mark.parametrize("kind", LEAF_KINDS)
 def test_every_leaf_kind_is_unscaled_exactly_or_refused_by_name(entry, kind):

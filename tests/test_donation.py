@@ -72,6 +72,7 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", OPTIMIZERS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_donated_step_runs(name, dtype):

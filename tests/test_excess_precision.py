@@ -81,6 +81,7 @@ STEPS = {
 }
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("name", STEPS)
 def test_jit_equals_eager_bit_for_bit(name, dtype):

@@ -94,6 +94,7 @@ def _shapes_and_dtypes(tree):
   return jax.tree.map(lambda x: (np.shape(x), jnp.result_type(x)), tree)
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("composition", COMPOSITIONS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -73,6 +73,7 @@ INNERS = {
 }
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("name", INNERS)
 @pytest.mark.parametrize("ok", [True, False])
 def test_selected_state_rewrite_equals_select_after(name, ok):

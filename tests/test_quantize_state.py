@@ -119,7 +119,7 @@ def test_dequantize_state_at_any_depth():
   params = _params()
   tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
   state = tx.init(params)
-  _, state = tx.update(_grads(params), state, params)
+  _, state = jax.jit(tx.update)(_grads(params), state, params)
   d = ols.dequantize_state(state)
   assert isinstance(d, ols.LossScaleState)
   mu = d.inner_state[0].mu["w"]

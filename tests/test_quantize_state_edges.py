@@ -129,6 +129,7 @@ def test_encoding_a_complex_or_integer_array_is_refused():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize(
   "kwargs", [{}, {"store_sqrt": False}, {"rounding": "stochastic"}], ids=str
 )

@@ -63,6 +63,7 @@ _PLACES = [
 ]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("place", _PLACES)
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_float16_gradient_reaches_the_master_in_float32(entry, place):

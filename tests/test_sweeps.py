@@ -89,6 +89,7 @@ ARGUMENTS = [
 ]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("value", EDGES, ids=repr)
 @pytest.mark.parametrize("name, arg, build", ARGUMENTS, ids=[a[0] for a in ARGUMENTS])
 def test_a_value_is_refused_by_name_or_trains_finitely(name, arg, build, value):
@@ -160,6 +161,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 @pytest.mark.parametrize("kind", FLOAT_LEAVES)
 def test_every_float_leaf_kind_is_unscaled_and_checked(wrapper, kind):

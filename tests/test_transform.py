@@ -32,6 +32,7 @@ def _update(tx, jit):
 
 # float16 parameters with float16 optimizer state, on purpose (the warning
 # itself: tests/test_half_state.py).
+@pytest.mark.sampled
 @pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @pytest.mark.parametrize("jit", [False, True])
 @pytest.mark.parametrize("dtype", FLOATS)
@@ -57,6 +58,7 @@ def test_finite_step_equals_inner_on_unscaled_grads(dtype, jit):
 
 # float16 parameters with float16 optimizer state, on purpose (the warning
 # itself: tests/test_half_state.py).
+@pytest.mark.sampled
 @pytest.mark.filterwarnings("ignore::optax_lossscale.HalfPrecisionStateWarning")
 @pytest.mark.standard_promotion  # optax's adam / schedules
 @pytest.mark.parametrize("jit", [False, True])

@@ -1,0 +1,104 @@
+"""The everyday run's sample of a table of cases, and what CI runs besides.
+
+A test marked ``sampled`` is a product of parameters; without ``--cases``
+the run keeps a sample with each value of each parameter, ``--cases rest``
+only what the sample leaves out and ``--cases all`` everything
+(``tests/conftest.py``). CI runs the sample and the rest: every case.
+"""
+
+import itertools
+import types
+
+from docs_blocks import ROOT
+
+import conftest
+
+
+def test_the_sample_keeps_each_value_once_where_it_can():
+  square = list(itertools.product(range(4), range(4)))
+  assert conftest.sample(square) == [(0, 0), (1, 1), (2, 2), (3, 3)]
+  table = list(itertools.product(range(2), range(5), range(3)))
+  kept = conftest.sample(table)
+  assert len(kept) == 5 and len(set(kept)) == 5
+  for axis, n in enumerate((2, 5, 3)):
+    assert {case[axis] for case in kept} == set(range(n))
+  # a table with holes (cases skipped or left out of the product) is covered
+  holes = [(0, 0), (0, 1), (1, 0), (2, 2)]
+  kept = conftest.sample(holes)
+  assert {c[0] for c in kept} == {0, 1, 2} and {c[1] for c in kept} == {0, 1, 2}
+  assert conftest.sample([(0,), (1,), (2,)]) == [(0,), (1,), (2,)]  # one axis: all
+
+
+VALUES = (object(), object(), object())  # parameter values, matched by identity
+
+
+class _Item:
+  def __init__(self, name, params=None, sampled=True):
+    self.path, self.originalname, self.name = "t.py", name, name
+    if params is not None:
+      self.callspec = types.SimpleNamespace(params=params)
+    self._sampled = sampled and params is not None
+
+  def get_closest_marker(self, name):
+    return object() if name == "sampled" and self._sampled else None
+
+
+def _select(cases):
+  deselected = []
+  config = types.SimpleNamespace(
+    getoption=lambda name: cases,
+    hook=types.SimpleNamespace(
+      pytest_deselected=lambda items: deselected.extend(items)
+    ),
+  )
+  a, b, c = VALUES
+  table = [
+    _Item("test_table", {"x": x, "y": y})
+    for x, y in itertools.product((a, b, c), (1, 2))
+  ]
+  plain = [_Item("test_plain"), _Item("test_unmarked", {"x": a}, sampled=False)]
+  items = plain + table
+  conftest.pytest_collection_modifyitems(config, items)
+  assert {id(i) for i in items} | {id(i) for i in deselected} == {
+    id(i) for i in plain + table
+  }
+  assert not {id(i) for i in items} & {id(i) for i in deselected}
+  return items, table, plain
+
+
+def test_sample_rest_and_all_split_the_run():
+  sample, table, plain = _select("sample")
+  rest, _, _ = _select("rest")
+  every, _, _ = _select("all")
+  assert len(every) == 8
+  kept = [i for i in sample if i in table]
+  assert len(kept) == 3  # (a, 1), (b, 2), (c, 1): each value of x and of y
+  assert {i.callspec.params["y"] for i in kept} == {1, 2}
+  assert all(i in sample for i in plain)  # what is not a table always runs
+  assert len(rest) == 3 and not any(
+    i.name in ("test_plain", "test_unmarked") for i in rest
+  )
+  names = lambda items: sorted(
+    str(i.callspec.params) for i in items if i.name == "test_table"
+  )  # noqa: E731
+  assert sorted(names(kept) + names(rest)) == names(table) == names(every)
+
+
+def test_ci_runs_the_rest_wherever_it_runs_the_sample():
+  """Every pytest run of CI that samples (no ``--cases``) is the integration
+  suite, a run of files without tables, or the everyday suite followed by its
+  rest."""
+  lines = [x.strip() for x in (ROOT / ".ci" / "run").read_text().splitlines()]
+  runs = [x for x in lines if x.startswith("suite ") and "-m pytest" in x]
+  everyday = [x for x in runs if '-m "not integration"' in x and "--cases" not in x]
+  assert everyday, runs
+  for x in everyday:
+    rest = x.replace("suite main ", "suite rest ", 1) + " --cases rest"
+    assert rest in runs, (x, rest)
+  for x in runs:
+    if "--cases" in x or "-m integration" in x or x in everyday:
+      continue
+    paths = [ROOT / p.split("::")[0] for p in x.split() if p.startswith("tests/")]
+    assert paths, f"{x}: samples the whole suite without its rest"
+    files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("test_*.py"))]
+    assert files and not any("mark.sampled" in f.read_text() for f in files), x
