@@ -106,10 +106,10 @@ def sample(cases):
 
 def pytest_collection_modifyitems(config, items):
   cases = config.getoption("cases")
-  if cases == "all":
-    return
   tables, values = {}, {}
   for item in items:
+    if item.get_closest_marker("sampled") and item.get_closest_marker("integration"):
+      raise pytest.UsageError(f"{item.nodeid}: the integration suite is not sampled")
     if item.get_closest_marker("sampled") and hasattr(item, "callspec"):
       key = (item.path, item.originalname)
       params = sorted(item.callspec.params.items())
@@ -119,6 +119,8 @@ def pytest_collection_modifyitems(config, items):
         for name, v in params
       )
       tables.setdefault(key, {})[case] = item
+  if cases == "all":
+    return
   left = set()  # what the sample leaves out
   for table in tables.values():
     kept = {id(table[c]) for c in sample(table)}

@@ -133,6 +133,13 @@ def _check(command):
     known = {_normal(c) for c in _ci_commands()} | {
       _normal(c) for c in _docs_build_commands()
     }
+    # the everyday suite's sample of CI's run of every case, and the rest
+    known |= {
+      k.replace(" --cases all", part)
+      for k in known
+      if k.endswith(" --cases all")
+      for part in ("", " --cases rest")
+    }
     assert _normal(command) in known, f"{command!r} is not what CI runs: {known}"
     return
   script = words[1]
@@ -164,7 +171,7 @@ def test_the_readme_gives_ci_test_command_and_ci_keeps_the_users_venv():
   # but for the virtual environment's directory.
   readme = {_normal(c) for w, c in COMMANDS if w.startswith("README.md")}
   newest = [c for c in _ci_suites() if '"$venv/bin/python" -m pytest' in c]
-  assert len(newest) == 4, newest  # everyday, its rest, integration, multi-device
+  assert len(newest) == 3, newest  # every unit test, integration, multi-device
   for command in newest:
     assert _normal(re.sub(r'"\$venv/bin/python"', "python", command)) in readme, command
   code = [line for line in CI.splitlines() if not line.startswith("#")]

@@ -3,12 +3,13 @@
 A test marked ``sampled`` is a product of parameters; without ``--cases``
 the run keeps a sample with each value of each parameter, ``--cases rest``
 only what the sample leaves out and ``--cases all`` everything
-(``tests/conftest.py``). CI runs the sample and the rest: every case.
+(``tests/conftest.py``). CI runs every case.
 """
 
 import itertools
 import types
 
+import pytest
 from docs_blocks import ROOT
 
 import conftest
@@ -84,21 +85,28 @@ def test_sample_rest_and_all_split_the_run():
   assert sorted(names(kept) + names(rest)) == names(table) == names(every)
 
 
-def test_ci_runs_the_rest_wherever_it_runs_the_sample():
-  """Every pytest run of CI that samples (no ``--cases``) is the integration
-  suite, a run of files without tables, or the everyday suite followed by its
-  rest."""
+def test_ci_runs_every_case():
+  """Every pytest run of CI takes every case of the sampled tables: with
+  ``--cases all``, or over files without such tables."""
   lines = [x.strip() for x in (ROOT / ".ci" / "run").read_text().splitlines()]
   runs = [x for x in lines if x.startswith("suite ") and "-m pytest" in x]
-  everyday = [x for x in runs if '-m "not integration"' in x and "--cases" not in x]
-  assert everyday, runs
-  for x in everyday:
-    rest = x.replace("suite main ", "suite rest ", 1) + " --cases rest"
-    assert rest in runs, (x, rest)
+  assert any('-m "not integration" --cases all' in x for x in runs), runs
   for x in runs:
-    if "--cases" in x or "-m integration" in x or x in everyday:
+    if "--cases all" in x:
       continue
+    if "-m integration" in x:
+      continue  # no integration test is sampled (the next test)
     paths = [ROOT / p.split("::")[0] for p in x.split() if p.startswith("tests/")]
-    assert paths, f"{x}: samples the whole suite without its rest"
+    assert paths, f"{x}: samples the whole suite"
     files = [f for p in paths for f in ([p] if p.is_file() else p.rglob("test_*.py"))]
-    assert files and not any("mark.sampled" in f.read_text() for f in files), x
+    assert files and not [f for f in files if "mark.sampled" in f.read_text()], x
+
+
+def test_an_integration_test_is_never_sampled():
+  item = _Item("test_both", {"x": VALUES[0]})
+  item.get_closest_marker = lambda name: object()  # sampled and integration
+  item.nodeid = "t.py::test_both"
+  for cases in ("sample", "rest", "all"):
+    config = types.SimpleNamespace(getoption=lambda name, c=cases: c)
+    with pytest.raises(pytest.UsageError, match="integration suite is not sampled"):
+      conftest.pytest_collection_modifyitems(config, [item])
