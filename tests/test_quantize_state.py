@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jaxprs import eqns as all_eqns
 
 import optax_lossscale as ols
 from optax_lossscale._loss_scale import state as _loss_scale_state
@@ -394,3 +395,38 @@ def test_an_update_encodes_each_quantised_leaf_once(monkeypatch):
   monkeypatch.setattr(q, "encode", lambda *a: pytest.fail("init's encoder in update"))
   jax.make_jaxpr(tx.update)(params, state, params)
   assert sorted(encoded) == [(32, 256), (32, 256), (64, 256), (64, 256)]
+
+
+def _equations(tx, n, distinct):
+  """Equations, at every depth, of one trace of ``tx.update`` on ``n`` leaves
+  of 2048 entries (or of n distinct sizes)."""
+  params = {f"w{i}": jnp.ones((8, 256 + (32 * i if distinct else 0))) for i in range(n)}
+  jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
+  return sum(1 for _ in all_eqns(jaxpr))
+
+
+@pytest.mark.parametrize("distinct", [False, True], ids=["one size", "distinct sizes"])
+def test_the_equations_a_quantised_leaf_adds_do_not_grow_with_the_leaf_count(distinct):
+  """A deterministic proxy of the compile time on large trees: each quantised
+  leaf adds the same number of equations to the update's trace, whatever the
+  number of leaves (nothing is traced once per pair of leaves, nor the whole
+  state again per leaf), and the loss scale and master weights around it
+  add per leaf what they add around bare Adam. The codec is still traced
+  once per leaf, and its equations make the number (793 a leaf of one
+  size, Adam's 15)."""
+  qs = lambda: ols.quantize_state(optax.adam(1e-3), min_size=0)  # noqa: E731
+  setups = {
+    "adam": optax.adam(1e-3),
+    "quantised": qs(),
+    "loss scale": ols.dynamic_loss_scale(optax.adam(1e-3)),
+    "all three": ols.dynamic_loss_scale(ols.master_weights(qs())),
+  }
+  per_leaf = {}
+  for name, tx in setups.items():
+    counts = [_equations(tx, n, distinct) for n in (4, 8, 16)]
+    steps = [(counts[1] - counts[0]) / 4, (counts[2] - counts[1]) / 8]
+    assert abs(steps[1] - steps[0]) <= 1, (name, counts)  # a constant a leaf
+    per_leaf[name] = steps[0]
+  assert per_leaf["quantised"] <= 810, per_leaf
+  wrappers = per_leaf["all three"] - per_leaf["quantised"]
+  assert wrappers <= per_leaf["loss scale"] - per_leaf["adam"] + 2, per_leaf
