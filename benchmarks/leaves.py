@@ -224,6 +224,7 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
   for blocks in block_counts:
     p32 = init_decoder(jax.random.key(0), vocab=256, d_model=128, layers=blocks, seq=64)
     leaves = len(jax.tree.leaves(p32))
+    cells = [leaves]
     for scanned in scans:
       row = {"leaves": leaves, "scan": scanned}
       for name, (dtype, make) in optimizers.items():
@@ -252,23 +253,25 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
         )
       results.append(row)
       base = row["adam"]
-      rows.append(
-        [
-          leaves,
-          "yes" if scanned else "no",
-          f"{base:.1f} s",
-          *[f"{row[n] / base:.2f}" for n in list(optimizers)[1:]],
-        ]
-      )
-  header = ["leaves", "in scan", "adam", *[f"`{n}`" for n in list(optimizers)[1:]]]
+      cells += [
+        f"{base:.1f} s",
+        *[f"{row[n] / base:.2f}" for n in list(optimizers)[1:]],
+      ]
+    rows.append(cells)
+  names = ["adam", "loss scale", "8-bit", "all three"]
+  header = ["leaves"] + [
+    f"{n}{' in scan' if scanned else ''}" for scanned in scans for n in names
+  ]
   lines = [
     "Compile time (trace, lower and compile, one run each) of the update "
-    "step on a GPT-2-shaped float32 tree (d_model 128, vocabulary 256), as "
-    f"a ratio to adam's; in scan: {scan_steps} steps in one `lax.scan`.",
+    "step on a GPT-2-shaped tree (d_model 128, vocabulary 256): adam's, and "
+    "as ratios to it `dynamic_loss_scale(adam)` (loss scale), "
+    "`quantize_state(adam)` (8-bit) and `dynamic_loss_scale(master_weights("
+    "quantize_state(adam)))` on bfloat16 parameters (all three); in scan: "
+    f"{scan_steps} steps in one `lax.scan`. Lines XLA printed while "
+    f"compiling: {len(printed)}.",
     "",
     *table(header, rows, "r" * len(header)),
-    "",
-    f"Lines XLA printed while compiling: {len(printed)}.",
     *[f"    {line}" for line in printed[:5]],
   ]
   return results, lines

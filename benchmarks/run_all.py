@@ -10,7 +10,8 @@ in every one) and left out of ``tables.md``.
 
 The questions, in order: the update step against its peers
 (``update_step.py``), the train step (``train_step.py``), leaves and compile
-time (``leaves.py``), the designs tried (``designs.py``), the record's cost
+time (``leaves.py``), compile time on a transformer's tree of 29 to 293
+leaves (``leaves.py``'s tree), the designs tried (``designs.py``), the record's cost
 (``telemetry.py``), error paths (``error_paths.py``), block-scaled memory
 (``block_memory.py``), low-precision parameters (``bf16_params.py``), the
 8-bit optimizer state (``quantize_state.py``), and on a GPU the GPU report
@@ -96,6 +97,11 @@ QUESTIONS = {
     "Leaves and compile time",
     ["leaves.py", "--sections", "leaves,distinct"],
     ["leaves.py", "--quick"],
+  ),
+  "tree": (
+    "A transformer's tree: compile time",
+    ["leaves.py", "--sections", "tree"],
+    ["leaves.py", "--quick", "--sections", "tree"],
   ),
   "designs": ("Designs tried", ["designs.py"], ["designs.py", "--quick"]),
   "telemetry": (

@@ -452,6 +452,7 @@ def test_run_all_checks_each_report_names_the_run_commit(run_all):
     "update_step",
     "train_step",
     "leaves",
+    "tree",
     "designs",
     "telemetry",
     "error_paths",
