@@ -9,7 +9,7 @@ there that starts one fails, saying so.
 A test marked ``sampled`` runs a table of cases (its parameters' product);
 the everyday run takes a sample of it, each value of each parameter at
 least once; ``--cases rest`` runs only the cases the sample leaves out,
-``--cases all`` every case of every test (CI runs the sample and the rest).
+``--cases all`` every case of every test (as CI runs them).
 
 A run shares one persistent compilation cache, new for the run, among its
 pytest-xdist workers and the processes they start: a program many tests
