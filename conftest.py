@@ -2,8 +2,8 @@
 
 optax_lossscale/flax.py needs Flax (the `examples` extra); the block-scaled
 formats (and list_matmuls' NVFP4 example) need a JAX with float8_e8m0fnu and
-float4_e2m1fn; quantize_state's example runs optax's adam under strict dtype
-promotion, which older optax releases are not written for.
+float4_e2m1fn; quantize_state's and adam_8bit's examples run optax's adam under
+strict dtype promotion, which optax releases may not be written for.
 """
 
 import importlib.util
@@ -32,7 +32,10 @@ if not (hasattr(jnp, "float8_e8m0fnu") and hasattr(jnp, "float4_e2m1fn")):
     "optax_lossscale/_autocast/matmul_list.py",
   ]
 if not _adam_is_strict():
-  collect_ignore.append("optax_lossscale/_params/quantize_state.py")
+  collect_ignore += [
+    "optax_lossscale/_params/quantize_state.py",
+    "optax_lossscale/_params/adam_8bit.py",
+  ]
 
 # A path that names no file would leave its doctests collected where they
 # cannot run (a module moved, this list not).

@@ -70,7 +70,13 @@ COST_CONFIGS = {
     BF16,
     lambda lr: ols.master_weights(optax.adam(lr)),
   ),
+  "float32 params + adam_8bit (XLA)": (F32, lambda lr: ols.adam_8bit(lr)),
 }
+if jax.default_backend() == "gpu":  # elsewhere Pallas' interpreter: not a measurement
+  COST_CONFIGS["float32 params + adam_8bit (Pallas kernel)"] = (
+    F32,
+    lambda lr: ols.adam_8bit(lr, kernel="pallas"),
+  )
 
 
 def train(name, params, batches, loss_fn, evaluate, lr, configs=CONFIGS):

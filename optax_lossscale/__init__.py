@@ -59,6 +59,8 @@ from optax_lossscale._lowbit.block_matmul import NVFP4Matmul as NVFP4Matmul
 from optax_lossscale._lowbit.block_scaled import BlockQuantized as BlockQuantized
 from optax_lossscale._lowbit.block_scaled import block_quantize as block_quantize
 from optax_lossscale._lowbit.float8 import Float8Matmul as Float8Matmul
+from optax_lossscale._params.adam_8bit import Adam8bit as Adam8bit
+from optax_lossscale._params.adam_8bit import adam_8bit as adam_8bit
 from optax_lossscale._params.low_precision import (
   KahanSummationState as KahanSummationState,
 )
@@ -133,9 +135,11 @@ __all__ = (
   "Policy",
   "SkipFallbackWarning",
   "HalfPrecisionStateWarning",
+  "Adam8bit",
   "StaticLossScale",
   "UnscaledGradients",
   "StochasticRoundingState",
+  "adam_8bit",
   "all_finite",
   "apply_overwrites",
   "autocast",

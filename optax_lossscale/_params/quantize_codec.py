@@ -26,11 +26,16 @@ from optax_lossscale._params import rounding as _rounding
 
 __all__ = [
   "QuantizedLeaf",
+  "block_extremes",
+  "blocks",
+  "code_blocks",
+  "decode_blocks",
   "dynamic_map",
   "encode",
   "encode_many",
   "layout",
   "thresholds",
+  "unblocked",
 ]
 
 _F32 = jnp.dtype(jnp.float32)
@@ -125,6 +130,18 @@ def _blocked(x: jax.Array, block_size: int) -> tuple[jax.Array, int]:
   if pad:
     x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, pad)])
   return x.reshape(*lead, -1, block_size), k
+
+
+def blocks(x: jax.Array, block_size: int) -> jax.Array:
+  """``x`` as ``(*leading axes, blocks, block_size)``: the blocks the codec
+  cuts it into (:func:`_block_axis`), zero-padded."""
+  return _blocked(x, block_size)[0]
+
+
+def unblocked(b: jax.Array, shape: tuple, block_size: int) -> jax.Array:
+  """The array of ``shape`` whose :func:`blocks` are ``b`` (padding cut)."""
+  k = _block_axis(shape, block_size)
+  return b.reshape(*shape[:k], -1)[..., : math.prod(shape[k:])].reshape(shape)
 
 
 def _whole_blocks(x: jax.Array, k: int, block_size: int) -> jax.Array:
@@ -299,19 +316,21 @@ def nearest_code(s: jax.Array, signed: jax.Array) -> jax.Array:
   return c + jnp.where(move, jnp.where(up, 1, -1), 0)
 
 
-def _stochastic(s: jax.Array, signed: jax.Array, nearest: jax.Array) -> jax.Array:
+def _stochastic(
+  s: jax.Array, signed: jax.Array, nearest: jax.Array, first=0
+) -> jax.Array:
   """The code of each ``s`` rounded at random between the two map values
   around it, up with probability its distance from the lower one over
   their gap (so the code's value is ``s`` on average); ``nearest`` is its
   nearest code. The random numbers are :func:`rounding.uniform_of` of
-  ``s``."""
+  ``s`` (its first element's flat index ``first``)."""
   v = code_value(nearest, signed)
   lo = jnp.where(v <= s, nearest, jnp.maximum(nearest - 1, 0))
   hi = jnp.minimum(lo + 1, 255)
   v_lo, v_hi = code_value(lo, signed), code_value(hi, signed)
   gap = v_hi - v_lo
   p = jnp.where(gap > 0, (s - v_lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
-  return lo + (_rounding.uniform_of(s) < p).astype(jnp.int32)
+  return lo + (_rounding.uniform_of(s, first) < p).astype(jnp.int32)
 
 
 def layout(x: Any, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
@@ -401,6 +420,26 @@ _HUGE = np.float32(2.0**126)
 def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLeaf:
   """``x`` (blocked as ``b`` from axis ``k``) quantised, given each block's
   least and largest values."""
+  del k  # the blocks' first axis, which unblocked finds again
+  idx, scales = code_blocks(b, lo, hi, sqrt, stochastic)
+  codes = _as_sharded_as(unblocked(idx.astype(jnp.uint8), x.shape, block_size), x)
+  return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
+
+
+def block_extremes(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each block's least and largest value (NaN counted as an infinity in
+  the largest: XLA's max reductions may drop a NaN), ``b`` blocked along
+  its last axis."""
+  nan_up = jnp.where(jnp.isnan(b), jnp.inf, b)
+  return jnp.min(b, axis=-1), jnp.max(nan_up, axis=-1)
+
+
+def code_blocks(b, lo, hi, sqrt, stochastic, first=0) -> tuple[jax.Array, jax.Array]:
+  """The codes (int32, ``b``'s shape) and scales (one a block) of ``b``,
+  float32 blocked along its last axis, given each block's least and largest
+  values: the one encoder every path uses. ``first`` is the flat index of
+  ``b``'s first element in its leaf's blocks (a kernel's tile), which the
+  stochastic rounding's random numbers hash."""
   lo, hi = lo[..., None], hi[..., None]
   signed = lo < 0
   # The signed map ends at 1 above but at -_SIGNED_END below: a block whose
@@ -419,21 +458,23 @@ def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLe
   s = jnp.clip((b * f) * inv, -1.0, 1.0)
   idx = nearest_code(s, signed)
   if stochastic:
-    idx = _stochastic(s, signed, idx)
-  codes = idx.astype(jnp.uint8).reshape(*x.shape[:k], -1)
-  codes = _as_sharded_as(codes[..., : math.prod(x.shape[k:])].reshape(x.shape), x)
-  scales = jnp.where(signed, -absmax, absmax)[..., 0]
-  return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
+    idx = _stochastic(s, signed, idx, first)
+  return idx, jnp.where(signed, -absmax, absmax)[..., 0]
+
+
+def decode_blocks(c: jax.Array, scales: jax.Array, sqrt: bool) -> jax.Array:
+  """float32 values of codes ``c`` (blocked along the last axis, one scale
+  a block) in the maps their scales' signs select (squared for an unsigned
+  block stored as square roots): the one decoder every path uses."""
+  unsigned = (scales >= 0)[..., None]
+  v = code_value(c, ~unsigned) * jnp.abs(scales)[..., None]
+  return jnp.where(unsigned, v * v, v) if sqrt else v
 
 
 @jax.jit  # one program (see _encode_many)
 def _decode(q: QuantizedLeaf) -> jax.Array:
   """float32 values of ``q``'s codes in the maps its scales' signs select
   (squared for an unsigned block stored as square roots)."""
-  c, k = _blocked(q.codes.astype(jnp.int32), q.block_size)
-  unsigned = (q.scales >= 0)[..., None]
-  v = code_value(c, ~unsigned) * jnp.abs(q.scales)[..., None]
-  if q.sqrt:
-    v = jnp.where(unsigned, v * v, v)
-  v = v.reshape(*q.codes.shape[:k], -1)[..., : math.prod(q.codes.shape[k:])]
-  return _as_sharded_as(v.reshape(q.codes.shape), q.codes)
+  c = blocks(q.codes.astype(jnp.int32), q.block_size)
+  v = decode_blocks(c, q.scales, q.sqrt)
+  return _as_sharded_as(unblocked(v, q.codes.shape, q.block_size), q.codes)

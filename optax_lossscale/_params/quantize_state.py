@@ -91,15 +91,20 @@ class QuantizeState(optax.GradientTransformationExtraArgs):
     bits, block_size, min_size, store_sqrt, rounding: as given.
   """
 
-  def __new__(cls, init, update, inner, **options):
+  def __new__(cls, init, update, inner, check=None, **options):
     self = super().__new__(cls, init, update)
-    self.inner, self.options = inner, options
+    self.inner, self.options, self._check = inner, options, check
     for name, value in options.items():
       setattr(self, name, value)
     return self
 
   def __reduce__(self):  # copy/pickle: rebuilt from what made it
     return (functools.partial(quantize_state, **self.options), (self.inner,))
+
+  def check(self, state: Any, like: Any) -> None:
+    """A ValueError unless ``state`` is what ``init`` makes for parameters
+    like ``like`` (its type, structure and quantised leaves' layouts)."""
+    self._check(state, like)
 
 
 def _is_quantized(x: Any) -> bool:
@@ -323,10 +328,13 @@ def quantize_state(
         out[i] = q
     return jax.tree.unflatten(treedef, out)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def check(state, like):
     _state.check_state_type("quantize_state", state, QuantizedState)
-    like = params if params is not None else updates
     _check_layout(expected(like), state)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    like = params if params is not None else updates
+    check(state, like)
     inner_state = _dequantized(state.inner_state, cast=True)
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
     return new_updates, QuantizedState(requantized(state.inner_state, new_inner, like))
@@ -335,6 +343,7 @@ def quantize_state(
     init_fn,
     update_fn,
     inner,
+    check,
     bits=bits,
     block_size=block_size,
     min_size=min_size,

@@ -65,10 +65,13 @@ def grads(step):
 
 
 @functools.cache
-def run(mode, store_sqrt=False, loss_scale=True, rounding="nearest"):
-  tx = ols.quantize_state(
-    optax.adam(1e-2), min_size=1024, store_sqrt=store_sqrt, rounding=rounding
+def run(mode, store_sqrt=False, loss_scale=True, rounding="nearest", fused=False):
+  make = (
+    ols.adam_8bit
+    if fused
+    else lambda lr, **kw: ols.quantize_state(optax.adam(lr), **kw)
   )
+  tx = make(1e-2, min_size=1024, store_sqrt=store_sqrt, rounding=rounding)
   if loss_scale:
     tx = ols.dynamic_loss_scale(tx, initial_scale=2.0**10)
   params = init_params()
@@ -158,3 +161,28 @@ def test_stochastic_rounding_sharded_equals_one_device(mode):
   ]  # noqa: E731
   pairs = zip(codes(sharded), codes(nearest), strict=True)
   assert any(not np.array_equal(a, b) for a, b in pairs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adam_8bit_sharded_keeps_one_devices_state(mode):
+  # Its blocks are cut by the shards as quantize_state's are (each leaf's
+  # blocks computed in place, or as quantize_state computes an explicitly
+  # sharded one): every step's state is quantize_state's on one device, bit
+  # for bit. The parameters: XLA rounds the bias corrections' divisions as
+  # it rewrites each program (test_adam_8bit.py), each update within 6
+  # units in its last place of the other's; Adam's updates do not read the
+  # parameters, so they part by at most that and a rounding of the sum a step.
+  sharded, one = run(mode, fused=True), run(None)
+  assert_bitwise_equal([s for _, s in sharded], [s for _, s in one])
+  start = init_params()
+  for k in start:
+    gap = np.zeros(start[k].shape, np.float32)
+    before = np.asarray(start[k])
+    for (p, _), (q, _) in zip(sharded, one, strict=True):
+      p, q = np.asarray(p[k]), np.asarray(q[k])
+      update = np.abs(q - before)
+      gap = gap + 6 * np.spacing(update) + np.spacing(np.abs(q))
+      finite = np.isfinite(q)
+      assert np.all(np.abs(p - q)[finite] <= gap[finite]), k
+      assert np.array_equal(np.isfinite(p), finite), k
+      before = q

@@ -1,0 +1,361 @@
+"""Adam with 8-bit moments in one pass: each block decoded, updated, encoded at once.
+
+:func:`adam_8bit` is ``quantize_state(optax.adamw(...))`` (or of
+``optax.adam`` without weight decay) computed a leaf at a time: Adam
+updates each element from its own gradient, parameter and moments, so a
+block of a leaf can be decoded, updated and encoded in one step, reading
+the gradient, the parameter, the codes and the scales once and writing the
+update, the codes and the scales once. ``kernel="xla"`` writes that step
+with XLA's operations on the whole leaf; ``kernel="pallas"`` runs the same
+step as one Pallas kernel a tile of blocks (on a GPU; elsewhere Pallas'
+interpreter runs it, for tests). Both give :func:`quantize_state`'s bits:
+the same decoder, the same optax update and the same encoder on the same
+values.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._base import validate as _validate
+from optax_lossscale._params import quantize_codec as _codec
+from optax_lossscale._params.quantize_state import (
+  QuantizedLeaf,
+  QuantizedState,
+  encode_many,
+  quantize_state,
+)
+
+__all__ = ["Adam8bit", "adam_8bit"]
+
+_KERNELS = ("xla", "pallas")
+_F32 = jnp.dtype(jnp.float32)
+#: Elements a Pallas program handles (its tile: whole blocks, at most this many).
+_TILE = 4096
+
+
+@_tree.rebuilt_as_itself
+class Adam8bit(optax.GradientTransformationExtraArgs):
+  """What :func:`adam_8bit` returns: an optax transformation.
+
+  Attributes:
+    quantized: the :func:`quantize_state` transformation whose state and
+      bits it has.
+    kernel: as given.
+  """
+
+  def __new__(cls, init, update, quantized, **options):
+    self = super().__new__(cls, init, update)
+    self.quantized, self.options = quantized, options
+    for name, value in options.items():
+      setattr(self, name, value)
+    return self
+
+  def __reduce__(self):  # copy/pickle: rebuilt from what made it
+    return (functools.partial(adam_8bit, **self.options), ())
+
+
+def adam_8bit(
+  learning_rate: Any,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+  eps_root: float = 0.0,
+  weight_decay: float = 0.0,
+  *,
+  block_size: int = 256,
+  min_size: int = 4096,
+  store_sqrt: bool = True,
+  rounding: str = "nearest",
+  kernel: str = "xla",
+) -> Adam8bit:
+  """Adam (AdamW with ``weight_decay``) with 8-bit moments, a block at a time.
+
+  The state, the updates and the stored codes are those of
+  ``quantize_state(optax.adamw(learning_rate, b1, b2, eps, eps_root,
+  weight_decay=weight_decay), block_size=..., min_size=..., store_sqrt=...,
+  rounding=...)`` (``optax.adam`` where ``weight_decay`` is 0), bit for
+  bit: a state of one is a state of the other (:func:`dequantize_state`,
+  checkpoints and the loss scale read it alike). What differs is how a
+  quantised leaf is computed: its gradient, parameter, codes and scales
+  are read once, and each block is decoded, updated by optax's Adam and
+  encoded in one step (Adam is elementwise: a block's update needs nothing
+  from another block), where :func:`quantize_state`, which wraps any
+  transformation, decodes the whole state, runs it and encodes the result.
+
+  ``kernel="pallas"`` runs that step as a Pallas kernel, one program a tile
+  of whole blocks, on a GPU; on another backend Pallas' interpreter runs it
+  (slowly: for tests). A leaf sharded explicitly (JAX's explicit
+  sharding) is computed as :func:`quantize_state` computes it, and a
+  custom kernel is not partitioned by XLA's automatic sharding: use
+  ``kernel="pallas"`` on one device or inside ``shard_map``. Measured in
+  BENCHMARKS.md ("8-bit state").
+
+  Args:
+    learning_rate: a float, or a schedule (a function of the step count).
+    b1, b2, eps, eps_root: Adam's, as ``optax.adam`` takes them.
+    weight_decay: AdamW's decoupled weight decay (>= 0; with it ``update``
+      needs the parameters).
+    block_size, min_size, store_sqrt, rounding: as :func:`quantize_state`
+      takes them.
+    kernel: ``"xla"`` or ``"pallas"``.
+
+  Returns:
+    An :class:`Adam8bit` (an ``optax.GradientTransformationExtraArgs``)
+    whose state is a :class:`QuantizedState`.
+
+  Raises:
+    ValueError: a bad hyper-parameter or ``kernel`` (and what
+      :func:`quantize_state` raises); ``update`` with a state
+      made for other parameters or by another transformation, or without
+      parameters where ``weight_decay`` is not 0.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lossscale as ols
+    >>> tx = ols.adam_8bit(1e-3, min_size=0)
+    >>> params = {"w": jnp.linspace(-1.0, 1.0, 512)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.linspace(1.0, -1.0, 512)}, state, params)
+    >>> float(ols.dequantize_state(state)[0].mu["w"][0])  # 0.1 * 1.0
+    0.10000000149011612
+  """
+  if not callable(learning_rate):
+    learning_rate = _validate.as_float("learning_rate", learning_rate)
+  for name, value in (("b1", b1), ("b2", b2)):
+    value = _validate.as_float(name, value)
+    if not 0.0 <= value < 1.0:
+      raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
+  for name, value in (
+    ("eps", eps),
+    ("eps_root", eps_root),
+    ("weight_decay", weight_decay),
+  ):
+    if not _validate.as_float(name, value) >= 0.0:
+      raise ValueError(f"`{name}` must be >= 0, got {value}.")
+  if not isinstance(kernel, str) or kernel not in _KERNELS:
+    raise ValueError(f"`kernel` must be one of {_KERNELS}, got {kernel!r}.")
+  options = dict(
+    learning_rate=learning_rate,
+    b1=float(b1),
+    b2=float(b2),
+    eps=float(eps),
+    eps_root=float(eps_root),
+    weight_decay=float(weight_decay),
+  )
+  hyper = dict(b1=options["b1"], b2=options["b2"], eps=options["eps"])
+  hyper["eps_root"] = options["eps_root"]
+  if options["weight_decay"]:
+    inner = optax.adamw(learning_rate, weight_decay=options["weight_decay"], **hyper)
+  else:
+    inner = optax.adam(learning_rate, **hyper)
+  quantized = quantize_state(
+    inner,
+    block_size=block_size,
+    min_size=min_size,
+    store_sqrt=store_sqrt,
+    rounding=rounding,
+  )
+  block_size, store_sqrt = quantized.block_size, quantized.store_sqrt
+  stochastic = quantized.rounding == "stochastic"
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del extra_args
+    quantized.check(state, params if params is not None else updates)
+    if options["weight_decay"] and params is None:
+      raise ValueError(
+        "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."
+      )
+    inner_state = state.inner_state
+    adam = inner_state[0]
+    treedef = jax.tree.structure(updates)
+    grads = treedef.flatten_up_to(updates)
+    ps = treedef.flatten_up_to(params) if params is not None else [None] * len(grads)
+    mus, nus = treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu)
+    skeleton = (adam._replace(mu=None, nu=None), *inner_state[1:])
+    scalars, scalar_def = jax.tree.flatten(skeleton)
+
+    def step(scalars, g, p, m, v):
+      """optax's update of one leaf (or tile, or list of leaves):
+      (update, new mu, new nu, the new scalars)."""
+      head, *rest = jax.tree.unflatten(scalar_def, scalars)
+      u, new = inner.update(g, (head._replace(mu=m, nu=v), *rest), p)
+      new_head = new[0]
+      skeleton = (new_head._replace(mu=None, nu=None), *new[1:])
+      return u, new_head.mu, new_head.nu, jax.tree.leaves(skeleton)
+
+    fused = [
+      i
+      for i, m in enumerate(mus)
+      if isinstance(m, QuantizedLeaf) and _tree.explicit_spec(grads[i]) is None
+    ]
+    # Every other leaf: decoded, updated by optax together, encoded again
+    # (a quantised one sharded explicitly: as quantize_state computes it).
+    rest = [i for i in range(len(grads)) if i not in set(fused)]
+    decode = lambda x: (
+      x.dequantize().astype(x.dtype) if isinstance(x, QuantizedLeaf) else x
+    )  # noqa: E731
+    out_u, out_m, out_v = list(grads), list(mus), list(nus)
+    u, m, v, new_scalars = step(
+      scalars,
+      [grads[i] for i in rest],
+      [ps[i] for i in rest] if params is not None else None,
+      [decode(mus[i]) for i in rest],
+      [decode(nus[i]) for i in rest],
+    )
+    for n, i in enumerate(rest):
+      out_u[i], out_m[i], out_v[i] = u[n], m[n], v[n]
+      if isinstance(mus[i], QuantizedLeaf):
+        out_m[i], out_v[i] = encode_many(
+          [m[n], v[n]], block_size, store_sqrt, stochastic
+        )
+    leaf_step = functools.partial(
+      _fused_leaf,
+      scalars,
+      step=step,
+      block_size=block_size,
+      sqrt=store_sqrt,
+      stochastic=stochastic,
+      kernel=kernel,
+    )
+    for i in fused:
+      out_u[i], out_m[i], out_v[i] = leaf_step(grads[i], ps[i], mus[i], nus[i])
+    head, *tail = jax.tree.unflatten(scalar_def, new_scalars)
+    head = head._replace(
+      mu=jax.tree.unflatten(treedef, out_m), nu=jax.tree.unflatten(treedef, out_v)
+    )
+    return jax.tree.unflatten(treedef, out_u), QuantizedState((head, *tail))
+
+  return Adam8bit(
+    quantized.init,
+    update_fn,
+    quantized,
+    **options,
+    block_size=block_size,
+    min_size=quantized.min_size,
+    store_sqrt=store_sqrt,
+    rounding=quantized.rounding,
+    kernel=kernel,
+  )
+
+
+def _tile_rows(rows: int, block_size: int) -> int:
+  """Blocks a Pallas program handles: the largest power of two up to
+  ``_TILE // block_size`` (at least 1) that divides ``rows``."""
+  t = max(1, _TILE // block_size)
+  while rows % t:
+    t //= 2
+  return t
+
+
+# One program a leaf shape, traced once and called for each leaf of that
+# shape (a transformer's layers share a few): trace and compile time grow
+# with the shapes, less with the leaves.
+@functools.partial(
+  jax.jit, static_argnames=("step", "block_size", "sqrt", "stochastic", "kernel")
+)
+def _fused_leaf(scalars, g, p, mq, vq, *, step, block_size, sqrt, stochastic, kernel):
+  """One quantised leaf's update and new codes and scales, each block
+  decoded, updated by ``step`` and encoded in one pass."""
+  shape, size = tuple(g.shape), math.prod(g.shape)
+  blocks = [_codec.blocks(g, block_size)] + (
+    [_codec.blocks(p, block_size)] if p is not None else []
+  )
+  blocks += [_codec.blocks(mq.codes, block_size), mq.scales]
+  blocks += [_codec.blocks(vq.codes, block_size), vq.scales]
+  padded = blocks[0].size != size  # only a leaf blocked whole: (blocks, block_size)
+  with_p = p is not None
+  tile = lambda dtype: jax.ShapeDtypeStruct((1, block_size), dtype)  # noqa: E731
+  _, m_new, v_new, _ = jax.eval_shape(  # the new moments' dtypes
+    step,
+    scalars,
+    tile(g.dtype),
+    tile(p.dtype) if with_p else None,
+    tile(mq.dtype),
+    tile(vq.dtype),
+  )
+
+  def body(scalars, *arrays, first_row):
+    g, p = arrays[0], (arrays[1] if with_p else None)
+    mc, ms, vc, vs = arrays[1 + with_p :]
+    m = _codec.decode_blocks(mc.astype(jnp.int32), ms, sqrt).astype(mq.dtype)
+    v = _codec.decode_blocks(vc.astype(jnp.int32), vs, sqrt).astype(vq.dtype)
+    u, m, v, _ = step(scalars, g, p, m, v)
+    out = [u]
+    for x in (m, v):
+      x = jax.lax.stop_gradient(x).astype(_F32)
+      if padded:  # the padding of the last block: 0
+        row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + first_row
+        col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        x = jnp.where(row * block_size + col < size, x, 0.0)
+      lo, hi = _codec.block_extremes(x)
+      codes, scales = _codec.code_blocks(
+        x, lo, hi, sqrt, stochastic, first_row * block_size
+      )
+      out += [codes.astype(jnp.uint8), scales]
+    return out
+
+  if kernel == "xla":
+    u, mc, ms, vc, vs = body(scalars, *blocks, first_row=0)
+  else:  # the kernel's arrays: blocks as rows, scales as a vector
+    *arrays, mc, ms, vc, vs = blocks
+    rows = [x.reshape(-1, block_size) for x in (*arrays, mc)] + [ms.reshape(-1)]
+    rows += [vc.reshape(-1, block_size), vs.reshape(-1)]
+    u, mc, ms, vc, vs = _pallas(
+      body, scalars, rows, _tile_rows(rows[0].shape[0], block_size)
+    )
+  leaf = lambda c, s, like, new: QuantizedLeaf(  # noqa: E731
+    _codec.unblocked(c, shape, block_size),
+    s.reshape(like.scales.shape),
+    jnp.dtype(new.dtype),
+    block_size,
+    sqrt,
+  )
+  return (
+    _codec.unblocked(u, shape, block_size),
+    leaf(mc, ms, mq, m_new),
+    leaf(vc, vs, vq, v_new),
+  )
+
+
+def _pallas(body, scalars, rows, tile):
+  """``body`` as a Pallas kernel over tiles of ``tile`` blocks: its outputs."""
+  from jax.experimental import pallas as pl
+
+  n_rows, block_size = rows[0].shape
+  scalars = [jnp.asarray(s).reshape(1) for s in scalars]
+  abstract = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows]
+  out_shape = jax.eval_shape(
+    lambda s, *r: body([x[0] for x in s], *r, first_row=0), scalars, *abstract
+  )
+  spec = lambda x: (  # noqa: E731
+    pl.BlockSpec((tile, block_size), lambda i: (i, 0))
+    if x.ndim == 2
+    else pl.BlockSpec((tile,), lambda i: (i,))
+  )
+  n_in = len(scalars)
+
+  def kernel(*refs):
+    ins, outs = refs[: n_in + len(rows)], refs[n_in + len(rows) :]
+    first_row = pl.program_id(0) * tile
+    values = body(
+      [r[0] for r in ins[:n_in]], *[r[...] for r in ins[n_in:]], first_row=first_row
+    )
+    for ref, value in zip(outs, values, strict=True):
+      ref[...] = value
+
+  return pl.pallas_call(
+    kernel,
+    out_shape=out_shape,
+    grid=(n_rows // tile,),
+    in_specs=[pl.BlockSpec((1,), lambda i: (0,)) for _ in scalars]
+    + [spec(r) for r in rows],
+    out_specs=[spec(o) for o in out_shape],
+    interpret=jax.default_backend() != "gpu",
+  )(*scalars, *rows)

@@ -1,0 +1,219 @@
+"""adam_8bit: quantize_state(optax.adamw)'s state a block at a time, XLA or Pallas.
+
+The Pallas kernel runs in Pallas' interpreter here (on a GPU, in
+``benchmarks/gpu_report.py``'s test run, compiled): its updates and state
+must equal the XLA path's bit for bit, and both paths' states must equal
+``quantize_state(optax.adamw(...))``'s.
+"""
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_lossscale as ols
+from optax_lossscale._params import adam_8bit as fused
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam, apply_updates
+
+LR = 1e-3
+SHAPES = {
+  "mat": (64, 128),  # blocks of whole rows' pairs
+  "lead": (3, 4, 512),  # blocks within the trailing axis
+  "pad": (5000,),  # the last block zero-padded
+  "odd": (33 * 256,),  # an odd number of blocks: a kernel tile of one
+  "small": (10,),  # not quantised
+}
+
+
+def _params(dtype=jnp.float32):
+  rng = np.random.default_rng(0)
+  return {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in SHAPES.items()}
+
+
+def _grads(params, step):
+  rng = np.random.default_rng(10 + step)
+  return {
+    k: jnp.asarray(
+      rng.normal(size=p.shape) * 10.0 ** rng.uniform(-6, 0, p.shape), p.dtype
+    )
+    for k, p in params.items()
+  }
+
+
+def _train(tx, params, steps=3):
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  history = []
+  for t in range(steps):
+    updates, state = update(_grads(params, t), state, params)
+    history.append((updates, state))
+    params = optax.apply_updates(params, updates)
+  return history
+
+
+def _bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def _reference(weight_decay, lr=LR, **options):
+  inner = optax.adamw(lr, weight_decay=weight_decay) if weight_decay else optax.adam(lr)
+  return ols.quantize_state(inner, **options)
+
+
+@pytest.mark.sampled
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("store_sqrt", [True, False])
+def test_the_kernels_agree_and_store_quantize_states_bits(
+  weight_decay, rounding, store_sqrt
+):
+  options = dict(rounding=rounding, store_sqrt=store_sqrt)
+  params = _params()
+  ref = _train(_reference(weight_decay, **options), params)
+  xla = _train(ols.adam_8bit(LR, weight_decay=weight_decay, **options), params)
+  pallas = _train(
+    ols.adam_8bit(LR, weight_decay=weight_decay, kernel="pallas", **options), params
+  )
+  for (u_ref, s_ref), (u_xla, s_xla), (u_pl, s_pl) in zip(
+    ref, xla, pallas, strict=True
+  ):
+    # the kernel is the XLA path, bit for bit
+    assert jax.tree.structure((u_pl, s_pl)) == jax.tree.structure((u_xla, s_xla))
+    assert _bits((u_pl, s_pl)) == _bits((u_xla, s_xla))
+    # the state is quantize_state's: the same structure, codes and scales
+    assert jax.tree.structure(s_xla) == jax.tree.structure(s_ref)
+    assert _bits(s_xla) == _bits(s_ref)
+    for k in SHAPES:
+      quantised = isinstance(s_xla.inner_state[0].mu[k], ols.QuantizedLeaf)
+      assert quantised == (k != "small")
+    # The updates: XLA rewrites the bias corrections' divisions in each
+    # program as it fuses it (a / b / c as a / (b * c), or a * (1 / b)). After
+    # the two programs part, each rounds three times (two divisions, the
+    # learning rate's product), half a unit in the last place of a value
+    # within a factor 2 of the result each: 3 units each side, 6 apart; with
+    # weight decay, of the Adam term (at most about the learning rate)
+    # before the decay is added.
+    for k in SHAPES:
+      a, b = np.asarray(u_ref[k]), np.asarray(u_xla[k])
+      ulp = np.spacing(np.maximum(np.abs(a), np.float32(LR)))
+      assert np.all(np.abs(a - b) <= 6 * ulp), k
+
+
+def test_a_schedule_and_bfloat16_moments():
+  schedule = optax.linear_schedule(1e-2, 1e-3, 5)
+  params = _params(jnp.bfloat16)  # Adam's moments in bfloat16, stored as such
+  ref = _train(ols.quantize_state(optax.adam(schedule)), params)
+  for kernel in ("xla", "pallas"):
+    got = _train(ols.adam_8bit(schedule, kernel=kernel), params)
+    for (u_ref, s_ref), (u, s) in zip(ref, got, strict=True):
+      assert s.inner_state[0].mu["mat"].dtype == jnp.bfloat16
+      assert _bits(s) == _bits(s_ref)  # the schedule's count included
+      for a, b in zip(jax.tree.leaves(u_ref), jax.tree.leaves(u), strict=True):
+        # bfloat16 updates: the 6 float32 units above round to at most one
+        # of bfloat16's
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        ulp = np.asarray(jnp.spacing(jnp.asarray(np.abs(a), jnp.bfloat16)), np.float32)
+        assert np.all(np.abs(a - b) <= ulp)
+
+
+def test_under_the_loss_scale_and_master_weights_a_skipped_step_changes_nothing():
+  params = _params(jnp.bfloat16)
+  make = lambda inner: ols.dynamic_loss_scale(  # noqa: E731
+    ols.master_weights(inner), initial_scale=2.0**10
+  )
+  runs = []
+  for inner in (ols.quantize_state(optax.adam(LR)), ols.adam_8bit(LR, kernel="pallas")):
+    tx = make(inner)
+    state, p = tx.init(params), params
+    update = jax.jit(tx.update)
+    history = []
+    for t in range(3):
+      g = jax.tree.map(lambda x: (x * 2.0**10).astype(jnp.bfloat16), _grads(params, t))
+      if t == 1:
+        g["mat"] = g["mat"].at[0, 0].set(jnp.nan)
+      u, state = update(g, state, p)
+      p = optax.apply_updates(p, u)
+      history.append((p, state))
+    runs.append(history)
+  ref, got = runs
+  assert int(got[-1][1].skipped_steps) == 1
+  # the skipped step kept the quantised state as it was
+  assert _bits(got[1][1].inner_state) == _bits(got[0][1].inner_state)
+  # the moments are quantize_state's (the master weights a few units apart:
+  # the updates, above)
+  for (_, s_ref), (_, s) in zip(ref, got, strict=True):
+    assert _bits(_quantised(s)) == _bits(_quantised(s_ref))
+    assert float(ols.get_scale(s)) == float(ols.get_scale(s_ref))
+
+
+def _quantised(state):
+  is_q = lambda x: isinstance(x, ols.QuantizedLeaf)  # noqa: E731
+  return [x for x in jax.tree.leaves(state, is_leaf=is_q) if is_q(x)]
+
+
+def test_a_tile_is_whole_blocks_dividing_the_leaf():
+  for rows, block_size, want in [
+    (32, 256, 16),
+    (20, 256, 4),
+    (33, 256, 1),
+    (6, 4096, 1),
+  ]:
+    tile = fused._tile_rows(rows, block_size)
+    assert tile == want and rows % tile == 0
+    assert tile * block_size <= max(fused._TILE, block_size)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"learning_rate": "fast"}, "learning_rate"),
+    ({"b1": 1.0}, "b1"),
+    ({"b2": -0.1}, "b2"),
+    ({"eps": -1e-8}, "eps"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"kernel": "cuda"}, "kernel"),
+    ({"block_size": 100}, "block_size"),
+    ({"rounding": "up"}, "rounding"),
+  ],
+)
+def test_bad_arguments_are_value_errors(kwargs, match):
+  kwargs = {"learning_rate": LR, **kwargs}
+  with pytest.raises(ValueError, match=match):
+    ols.adam_8bit(**kwargs)
+
+
+def test_a_state_it_did_not_make_or_missing_parameters_are_value_errors():
+  params = _params()
+  grads = _grads(params, 0)
+  tx = ols.adam_8bit(LR)
+  other = ols.quantize_state(optax.sgd(LR, momentum=0.9)).init(params)
+  with pytest.raises(ValueError, match="quantize_state"):
+    tx.update(grads, other, params)
+  smaller = tx.init({k: v for k, v in params.items() if k != "pad"})
+  with pytest.raises(ValueError, match="quantize_state"):
+    tx.update(grads, smaller, params)
+  decayed = ols.adam_8bit(LR, weight_decay=0.1)
+  state = decayed.init(params)
+  with pytest.raises(ValueError, match="weight_decay needs the parameters"):
+    decayed.update(grads, state)
+  # without weight decay the parameters are optional, as for optax.adam
+  u, _ = tx.update(grads, tx.init(params))
+  assert jax.tree.structure(u) == jax.tree.structure(grads)
+
+
+def test_copies_rebuild_the_same_transformation():
+  tx = ols.adam_8bit(LR, b1=0.8, weight_decay=0.01, kernel="pallas", min_size=1024)
+  again = copy.deepcopy(tx)
+  assert isinstance(again, ols.Adam8bit)
+  assert (again.b1, again.weight_decay, again.kernel, again.min_size) == (
+    0.8,
+    0.01,
+    "pallas",
+    1024,
+  )
+  params = _params()
+  assert _bits(_train(again, params, 1)) == _bits(_train(tx, params, 1))
