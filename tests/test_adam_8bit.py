@@ -46,11 +46,11 @@ def _grads(params, step):
 
 def _train(tx, params, steps=3):
   state = tx.init(params)
-  update = jax.jit(tx.update)
+  update = jax.jit(tx.update, donate_argnums=1)  # the old state donated
   history = []
   for t in range(steps):
     updates, state = update(_grads(params, t), state, params)
-    history.append((updates, state))
+    history.append(jax.device_get((updates, state)))  # the next step donates it
     params = optax.apply_updates(params, updates)
   return history
 
@@ -172,6 +172,11 @@ def test_a_tile_is_whole_blocks_dividing_the_leaf():
   [
     ({"learning_rate": "fast"}, "learning_rate"),
     ({"b1": 1.0}, "b1"),
+    ({"b1": 1 - 1e-9}, "b1"),  # 1.0 in float32: a zero bias correction
+    ({"learning_rate": 1e39}, "learning_rate"),  # inf in float32
+    ({"learning_rate": float("nan")}, "learning_rate"),
+    ({"learning_rate": True}, "learning_rate"),
+    ({"eps": float("inf")}, "eps"),
     ({"b2": -0.1}, "b2"),
     ({"eps": -1e-8}, "eps"),
     ({"weight_decay": -0.1}, "weight_decay"),
@@ -217,3 +222,48 @@ def test_copies_rebuild_the_same_transformation():
   )
   params = _params()
   assert _bits(_train(again, params, 1)) == _bits(_train(tx, params, 1))
+
+
+def test_zero_size_scalar_and_nonfinite_leaves_as_quantize_state_has_them():
+  # min_size=0: every leaf with elements is quantised, the scalar included;
+  # a zero-size leaf is kept; a NaN and an infinity make an infinite scale
+  params = {
+    "w": jnp.ones((4, 300)),
+    "scalar": jnp.asarray(2.0),
+    "empty": jnp.zeros((0, 3)),
+  }
+  grads = {
+    "w": jnp.full((4, 300), 0.5).at[1, 7].set(jnp.nan).at[3, 0].set(jnp.inf),
+    "scalar": jnp.asarray(0.25),
+    "empty": jnp.zeros((0, 3)),
+  }
+  ref = ols.quantize_state(optax.adam(LR), min_size=0)
+  for kernel in ("xla", "pallas"):
+    tx = ols.adam_8bit(LR, min_size=0, kernel=kernel)
+    s_ref, s = ref.init(params), tx.init(params)
+    _, s_ref = jax.jit(ref.update)(grads, s_ref, params)
+    _, s = jax.jit(tx.update)(grads, s, params)
+    assert _bits(s) == _bits(s_ref)
+    mu = s.inner_state[0].mu
+    assert isinstance(mu["scalar"], ols.QuantizedLeaf)
+    assert not isinstance(mu["empty"], ols.QuantizedLeaf)
+    assert np.isinf(np.asarray(mu["w"].scales)).any()
+
+
+def test_one_trace_a_leaf_shape_however_often_it_is_called(monkeypatch):
+  # the block step is one jitted program a transformation and leaf shape:
+  # eager updates and retraces of the step reuse it
+  from optax_lossscale._params import quantize_codec as codec
+
+  traced = []
+  code_blocks = codec.code_blocks
+  monkeypatch.setattr(
+    codec, "code_blocks", lambda *a, **k: traced.append(1) or code_blocks(*a, **k)
+  )
+  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)) * 2}
+  tx = ols.adam_8bit(LR)
+  state = tx.init(params)
+  for _ in range(3):
+    _, state = tx.update(params, state, params)
+  jax.jit(tx.update).lower(params, state, params)
+  assert len(traced) == 2  # mu's and nu's encoder, once

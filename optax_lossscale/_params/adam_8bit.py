@@ -126,18 +126,19 @@ def adam_8bit(
     >>> float(ols.dequantize_state(state)[0].mu["w"][0])  # 0.1 * 1.0
     0.10000000149011612
   """
+  # As float32 computes with them: b1 = 1 - 1e-9 is 1.0 there (a zero bias
+  # correction), 1e39 is inf.
   if not callable(learning_rate):
-    learning_rate = _validate.as_float("learning_rate", learning_rate)
-  for name, value in (("b1", b1), ("b2", b2)):
-    value = _validate.as_float(name, value)
-    if not 0.0 <= value < 1.0:
-      raise ValueError(f"`{name}` must be in [0, 1), got {value}.")
+    learning_rate = _validate.as_f32("learning_rate", learning_rate)
+  for name, given in (("b1", b1), ("b2", b2)):
+    if not 0.0 <= _validate.as_f32(name, given) < 1.0:
+      raise ValueError(f"`{name}` must be in [0, 1) in float32, got {given!r}.")
   for name, value in (
     ("eps", eps),
     ("eps_root", eps_root),
     ("weight_decay", weight_decay),
   ):
-    if not _validate.as_float(name, value) >= 0.0:
+    if not _validate.as_f32(name, value) >= 0.0:
       raise ValueError(f"`{name}` must be >= 0, got {value}.")
   if not isinstance(kernel, str) or kernel not in _KERNELS:
     raise ValueError(f"`kernel` must be one of {_KERNELS}, got {kernel!r}.")
@@ -165,6 +166,16 @@ def adam_8bit(
   block_size, store_sqrt = quantized.block_size, quantized.store_sqrt
   stochastic = quantized.rounding == "stochastic"
 
+  def inner_step(scalar_def, scalars, g, p, m, v):
+    """optax's update of one leaf (or tile, or list of leaves), the state's
+    scalars (its counts) flattened by ``scalar_def``: the update, the new
+    moments and the new scalars."""
+    head, *rest = jax.tree.unflatten(scalar_def, scalars)
+    u, new = inner.update(g, (head._replace(mu=m, nu=v), *rest), p)
+    new_head = new[0]
+    skeleton = (new_head._replace(mu=None, nu=None), *new[1:])
+    return u, new_head.mu, new_head.nu, jax.tree.leaves(skeleton)
+
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
     quantized.check(state, params if params is not None else updates)
@@ -178,18 +189,10 @@ def adam_8bit(
     grads = treedef.flatten_up_to(updates)
     ps = treedef.flatten_up_to(params) if params is not None else [None] * len(grads)
     mus, nus = treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu)
-    skeleton = (adam._replace(mu=None, nu=None), *inner_state[1:])
-    scalars, scalar_def = jax.tree.flatten(skeleton)
-
-    def step(scalars, g, p, m, v):
-      """optax's update of one leaf (or tile, or list of leaves):
-      (update, new mu, new nu, the new scalars)."""
-      head, *rest = jax.tree.unflatten(scalar_def, scalars)
-      u, new = inner.update(g, (head._replace(mu=m, nu=v), *rest), p)
-      new_head = new[0]
-      skeleton = (new_head._replace(mu=None, nu=None), *new[1:])
-      return u, new_head.mu, new_head.nu, jax.tree.leaves(skeleton)
-
+    scalars, scalar_def = jax.tree.flatten(
+      (adam._replace(mu=None, nu=None), *inner_state[1:])
+    )
+    step = functools.partial(inner_step, scalar_def)
     fused = [
       i
       for i, m in enumerate(mus)
@@ -197,7 +200,7 @@ def adam_8bit(
     ]
     # Every other leaf: decoded, updated by optax together, encoded again
     # (a quantised one sharded explicitly: as quantize_state computes it).
-    rest = [i for i in range(len(grads)) if i not in set(fused)]
+    rest = sorted(set(range(len(grads))) - set(fused))
     decode = lambda x: (
       x.dequantize().astype(x.dtype) if isinstance(x, QuantizedLeaf) else x
     )  # noqa: E731
@@ -218,7 +221,8 @@ def adam_8bit(
     leaf_step = functools.partial(
       _fused_leaf,
       scalars,
-      step=step,
+      step=inner_step,  # one function a transformation: _fused_leaf's cache holds
+      scalar_def=scalar_def,
       block_size=block_size,
       sqrt=store_sqrt,
       stochastic=stochastic,
@@ -258,11 +262,15 @@ def _tile_rows(rows: int, block_size: int) -> int:
 # shape (a transformer's layers share a few): trace and compile time grow
 # with the shapes, less with the leaves.
 @functools.partial(
-  jax.jit, static_argnames=("step", "block_size", "sqrt", "stochastic", "kernel")
+  jax.jit,
+  static_argnames=("step", "scalar_def", "block_size", "sqrt", "stochastic", "kernel"),
 )
-def _fused_leaf(scalars, g, p, mq, vq, *, step, block_size, sqrt, stochastic, kernel):
+def _fused_leaf(
+  scalars, g, p, mq, vq, *, step, scalar_def, block_size, sqrt, stochastic, kernel
+):
   """One quantised leaf's update and new codes and scales, each block
-  decoded, updated by ``step`` and encoded in one pass."""
+  decoded, updated by ``step(scalar_def, ...)`` and encoded in one pass."""
+  step = functools.partial(step, scalar_def)
   shape, size = tuple(g.shape), math.prod(g.shape)
   blocks = [_codec.blocks(g, block_size)] + (
     [_codec.blocks(p, block_size)] if p is not None else []
