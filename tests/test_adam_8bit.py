@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jaxprs import eqns as all_eqns
 
 import optax_lossscale as ols
 from optax_lossscale._params import adam_8bit as fused
@@ -267,3 +268,16 @@ def test_one_trace_a_leaf_shape_however_often_it_is_called(monkeypatch):
     _, state = tx.update(params, state, params)
   jax.jit(tx.update).lower(params, state, params)
   assert len(traced) == 2  # mu's and nu's encoder, once
+
+
+def test_one_reduction_finds_both_moments_block_extremes():
+  # XLA's path reads each leaf's recomputed moments once for their blocks'
+  # extremes (one variadic reduction a leaf, as quantize_state's encoder),
+  # not once for each minimum and maximum
+  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((32, 256)), "c": jnp.ones(10)}
+  tx = ols.adam_8bit(LR)
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(tx.update)(params, state, params)
+  names = [e.primitive.name for e in all_eqns(jaxpr.jaxpr)]
+  assert names.count("reduce") == 2  # the two quantised leaves
+  assert "reduce_min" not in names and "reduce_max" not in names

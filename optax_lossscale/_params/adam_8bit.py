@@ -289,20 +289,25 @@ def _fused_leaf(
     tile(vq.dtype),
   )
 
-  def body(scalars, *arrays, first_row):
+  def body(scalars, *arrays, first_row, tiled=False):
+    """The step on blocks (a leaf's, or a kernel's tile of them, ``tiled``,
+    whose first block is ``first_row``)."""
     g, p = arrays[0], (arrays[1] if with_p else None)
     mc, ms, vc, vs = arrays[1 + with_p :]
     m = _codec.decode_blocks(mc.astype(jnp.int32), ms, sqrt).astype(mq.dtype)
     v = _codec.decode_blocks(vc.astype(jnp.int32), vs, sqrt).astype(vq.dtype)
     u, m, v, _ = step(scalars, g, p, m, v)
-    out = [u]
+    moments = []
     for x in (m, v):
       x = jax.lax.stop_gradient(x).astype(_F32)
       if padded:  # the padding of the last block: 0
         row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + first_row
         col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
         x = jnp.where(row * block_size + col < size, x, 0.0)
-      lo, hi = _codec.block_extremes(x)
+      moments.append(x)
+    out = [u]
+    extremes = _codec.block_extremes(moments, one_pass=not tiled)
+    for x, (lo, hi) in zip(moments, extremes, strict=True):
       codes, scales = _codec.code_blocks(
         x, lo, hi, sqrt, stochastic, first_row * block_size
       )
@@ -340,7 +345,9 @@ def _pallas(body, scalars, rows, tile):
   scalars = [jnp.asarray(s).reshape(1) for s in scalars]
   abstract = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in rows]
   out_shape = jax.eval_shape(
-    lambda s, *r: body([x[0] for x in s], *r, first_row=0), scalars, *abstract
+    lambda s, *r: body([x[0] for x in s], *r, first_row=0, tiled=True),
+    scalars,
+    *abstract,
   )
   spec = lambda x: (  # noqa: E731
     pl.BlockSpec((tile, block_size), lambda i: (i, 0))
@@ -353,7 +360,10 @@ def _pallas(body, scalars, rows, tile):
     ins, outs = refs[: n_in + len(rows)], refs[n_in + len(rows) :]
     first_row = pl.program_id(0) * tile
     values = body(
-      [r[0] for r in ins[:n_in]], *[r[...] for r in ins[n_in:]], first_row=first_row
+      [r[0] for r in ins[:n_in]],
+      *[r[...] for r in ins[n_in:]],
+      first_row=first_row,
+      tiled=True,
     )
     for ref, value in zip(outs, values, strict=True):
       ref[...] = value

@@ -384,25 +384,9 @@ def _encode_many(xs: list, block_size: int, sqrt: bool, stochastic: bool) -> lis
   # the stored state carries none (its scales would carry a partial one).
   xs = [jax.lax.stop_gradient(x) for x in xs]
   blocked = [_blocked(x.astype(_F32), block_size) for x in xs]
-  # One pass over each block finds both its least value (a block with one
-  # below 0 uses the signed map) and its largest (NaN counted as an
-  # infinity: XLA's max reductions may drop a NaN); the largest magnitude
-  # follows from the two, and for a block stored as square roots it is
-  # the root of the largest value.
-  operands = [v for b, _ in blocked for v in (b, jnp.where(jnp.isnan(b), jnp.inf, b))]
-  extremes = jax.lax.reduce(
-    tuple(operands),
-    (np.float32(np.inf), np.float32(-np.inf)) * len(xs),
-    lambda x, y: tuple(
-      (jnp.minimum if k % 2 == 0 else jnp.maximum)(a, c)
-      for k, (a, c) in enumerate(zip(x, y, strict=True))
-    ),
-    (blocked[0][0].ndim - 1,),
-  )
+  extremes = block_extremes([b for b, _ in blocked])
   return [
-    _encode_blocks(
-      x, b, k, extremes[2 * n], extremes[2 * n + 1], block_size, sqrt, stochastic
-    )
+    _encode_blocks(x, b, k, *extremes[n], block_size, sqrt, stochastic)
     for n, (x, (b, k)) in enumerate(zip(xs, blocked, strict=True))
   ]
 
@@ -426,12 +410,30 @@ def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLe
   return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
 
 
-def block_extremes(b: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Each block's least and largest value (NaN counted as an infinity in
-  the largest: XLA's max reductions may drop a NaN), ``b`` blocked along
-  its last axis."""
-  nan_up = jnp.where(jnp.isnan(b), jnp.inf, b)
-  return jnp.min(b, axis=-1), jnp.max(nan_up, axis=-1)
+def block_extremes(bs: list, one_pass: bool = True) -> list:
+  """Each block's least and largest value, ``(lo, hi)`` for each of ``bs``
+  (float32, blocked along the last axis, of one shape): the largest counts
+  NaN as an infinity (XLA's max reductions may drop a NaN); the largest
+  magnitude follows from the two. ``one_pass``: one variadic reduction
+  reads every array once (what XLA fuses with what the arrays are computed
+  from: a gradient, Adam's two moments); else a min and a max reduction
+  each (what Pallas' Triton lowering has)."""
+  nan_up = [jnp.where(jnp.isnan(b), jnp.inf, b) for b in bs]
+  if not one_pass:
+    return [
+      (jnp.min(b, axis=-1), jnp.max(u, axis=-1))
+      for b, u in zip(bs, nan_up, strict=True)
+    ]
+  out = jax.lax.reduce(
+    tuple(v for pair in zip(bs, nan_up, strict=True) for v in pair),
+    (np.float32(np.inf), np.float32(-np.inf)) * len(bs),
+    lambda x, y: tuple(
+      (jnp.minimum if k % 2 == 0 else jnp.maximum)(a, c)
+      for k, (a, c) in enumerate(zip(x, y, strict=True))
+    ),
+    (bs[0].ndim - 1,),
+  )
+  return [(out[2 * n], out[2 * n + 1]) for n in range(len(bs))]
 
 
 def code_blocks(b, lo, hi, sqrt, stochastic, first=0) -> tuple[jax.Array, jax.Array]:
