@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import versions
 from jaxprs import eqns as all_eqns
 
 import optax_lossscale as ols
@@ -28,6 +29,14 @@ SHAPES = {
   "odd": (33 * 256,),  # an odd number of blocks: a kernel tile of one
   "small": (10,),  # not quantised
 }
+
+
+#: Whether XLA's CPU backend contracts the kernel's and the XLA path's
+#: multiply-adds alike. The newest tested one does; jax 0.4's fuses weight
+#: decay's ``update + wd * param`` into a fused multiply-add in one program
+#: and not the other, two units in the last place apart at most (bit for bit
+#: with FMA instructions off, ``--xla_cpu_max_isa=AVX``: measured).
+FMA_ALIKE = versions.JAX >= (0, 10) or jax.default_backend() != "cpu"
 
 
 def _params(dtype=jnp.float32):
@@ -82,9 +91,18 @@ def test_the_kernels_agree_and_store_quantize_states_bits(
   for (u_ref, s_ref), (u_xla, s_xla), (u_pl, s_pl) in zip(
     ref, xla, pallas, strict=True
   ):
-    # the kernel is the XLA path, bit for bit
+    # the kernel is the XLA path, bit for bit: its state always, its updates
+    # where the compiler contracts the same multiply-adds (see FMA_ALIKE)
     assert jax.tree.structure((u_pl, s_pl)) == jax.tree.structure((u_xla, s_xla))
-    assert _bits((u_pl, s_pl)) == _bits((u_xla, s_xla))
+    assert _bits(s_pl) == _bits(s_xla)
+    if FMA_ALIKE or not weight_decay:
+      assert _bits(u_pl) == _bits(u_xla)
+    else:
+      for a, b in zip(jax.tree.leaves(u_pl), jax.tree.leaves(u_xla), strict=True):
+        # the sum ``adam + wd * param`` one unit apart, and the learning
+        # rate's product rounds each once more: two units of the result
+        a, b = np.asarray(a), np.asarray(b)
+        assert np.all(np.abs(a - b) <= 2 * np.spacing(np.maximum(np.abs(a), np.abs(b))))
     # the state is quantize_state's: the same structure, codes and scales
     assert jax.tree.structure(s_xla) == jax.tree.structure(s_ref)
     assert _bits(s_xla) == _bits(s_ref)
