@@ -186,3 +186,71 @@ def test_a_half_state_before_master_weights_keeps_its_dtypes_and_says_so():
   template = jax.eval_shape(tx.init, params)
   _, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert _shapes_and_dtypes(state) == _shapes_and_dtypes(template)
+
+
+def _counting(tx, calls):
+  """``tx`` with its ``init`` and ``update`` calls (traces, under jit) counted."""
+
+  def init(params):
+    calls["init"] += 1
+    return tx.init(params)
+
+  def update(updates, state, params=None, **extra):
+    calls["update"] += 1
+    return tx.update(updates, state, params, **extra)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# wrapper (of the counted inner optimizer), the parameters' dtype
+WRAPPERS = {
+  "dynamic_loss_scale": (ols.dynamic_loss_scale, F32),
+  "static, no skip": (
+    lambda i: ols.static_loss_scale(i, 8.0, skip_nonfinite=False),
+    F32,
+  ),
+  "track_nonfinite": (lambda i: ols.dynamic_loss_scale(i, track_nonfinite=True), F16),
+  "master_weights": (lambda i: ols.master_weights(i), BF16),
+  "quantize_state": (lambda i: ols.quantize_state(i, min_size=0), F32),
+  "loss scale(master_weights)": (
+    lambda i: ols.dynamic_loss_scale(ols.master_weights(i)),
+    BF16,
+  ),
+  "loss scale(master_weights(quantize_state))": (
+    lambda i: ols.dynamic_loss_scale(
+      ols.master_weights(ols.quantize_state(i, min_size=0))
+    ),
+    BF16,
+  ),
+  "static, no skip(master_weights)": (
+    lambda i: ols.static_loss_scale(
+      ols.master_weights(i, store="float32"), 8.0, skip_nonfinite=False
+    ),
+    F16,
+  ),
+  "LossScaleOptimizer": (lambda i: ols.porting.LossScaleOptimizer(i), F32),
+}
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_one_trace_of_the_update_traces_the_inner_update_once_and_init_never(wrapper):
+  make, dtype = WRAPPERS[wrapper]
+  calls = {"init": 0, "update": 0}
+  tx = make(_counting(optax.adam(1e-3), calls))
+  params = {"w": jnp.ones((4, 8), dtype), "b": jnp.ones(8, dtype)}
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", ols.HalfPrecisionStateWarning)  # float16 Adam
+    state = tx.init(params)
+  assert calls == {"init": 1, "update": 0}
+  calls["init"] = 0
+  jax.make_jaxpr(tx.update)(params, state, params)
+  assert calls == {"init": 0, "update": 1}
+  # A state no init of this transformation made (restored from a checkpoint,
+  # say): its first trace traces init once, for the check; later ones never.
+  fresh = make(_counting(optax.adam(1e-3), calls))
+  calls["update"] = 0
+  jax.make_jaxpr(fresh.update)(params, state, params)
+  assert calls["update"] == 1 and calls["init"] >= 1
+  calls.update(init=0, update=0)
+  jax.make_jaxpr(lambda *a: fresh.update(*a))(params, state, params)  # anew
+  assert calls == {"init": 0, "update": 1}

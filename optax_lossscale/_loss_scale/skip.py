@@ -42,7 +42,9 @@ from optax_lossscale._base import tree as _tree
 
 __all__ = [
   "SkipFallbackWarning",
+  "StateDtypesChanged",
   "apply_or_skip",
+  "dtypes_changed",
   "select",
   "select_after",
   "select_tree",
@@ -80,6 +82,21 @@ class SkipFallbackWarning(UserWarning):
   """The skip could not be placed inside the inner update (see the message)."""
 
 
+class StateDtypesChanged(Exception):  # noqa: N818 - a signal, caught by the caller
+  """The inner update returned a state whose array leaves changed dtype or
+  shape, where the caller asked that they be kept (``keep_dtypes``)."""
+
+
+def dtypes_changed(old_state: Any, new_state: Any) -> bool:
+  """Whether an array leaf of ``new_state`` has another dtype or shape than
+  ``old_state``'s (abstract values compare alike), or the leaf counts differ."""
+  old, new = jax.tree.leaves(old_state), jax.tree.leaves(new_state)
+  return len(old) != len(new) or any(
+    _tree.is_array(a) and (a.dtype, a.shape) != (jnp.result_type(b), jnp.shape(b))
+    for a, b in zip(old, new, strict=True)
+  )
+
+
 def _zeros_where_skipped(should_apply: jax.Array, updates: Any) -> Any:
   zeros = jax.tree.map(lambda u: jnp.zeros_like(u) if _tree.is_array(u) else u, updates)
   return select_tree(should_apply, updates, zeros)
@@ -92,14 +109,20 @@ def select_after(
   inner_state: Any,
   params: Any,
   extra_args: dict[str, Any],
+  keep_dtypes: bool = False,
 ) -> tuple[Any, Any]:
   """The skip as a select after the inner update (correct, but see above).
 
   Returns:
     ``(updates, new_state)``: ``inner``'s updates and new state if
     ``should_apply``, else zero updates and ``inner_state``.
+
+  Raises:
+    StateDtypesChanged: ``keep_dtypes``, and the new state's dtypes differ.
   """
   updates, new_state = inner.update(grads, inner_state, params, **extra_args)
+  if keep_dtypes and dtypes_changed(inner_state, new_state):
+    raise StateDtypesChanged
   return (
     _zeros_where_skipped(should_apply, updates),
     select_tree(should_apply, new_state, inner_state),
@@ -113,38 +136,50 @@ def apply_or_skip(
   inner_state: Any,
   params: Any,
   extra_args: dict[str, Any],
+  keep_dtypes: bool = False,
+  stacklevel: int = 3,
 ) -> tuple[Any, Any]:
   """``inner.update`` if ``should_apply``, else zero updates and the old state.
 
   The same results as :func:`select_after`, computed with the selects placed
-  where the new state is made (see the module's docstring).
+  where the new state is made (see the module's docstring). The inner update
+  is traced once.
 
   Args:
     inner: an ``optax.GradientTransformationExtraArgs``.
     should_apply: a scalar boolean array.
     grads, inner_state, params, extra_args: ``inner.update``'s arguments.
+    keep_dtypes: the new state must have the old one's dtypes and shapes.
+    stacklevel: the fallback warning's, pointing at the caller's caller's
+      code by default (the code that called a transformation's update).
 
   Returns:
     ``(updates, new_state)``.
 
   Raises:
     ValueError: ``inner`` returned a state of another structure.
+    StateDtypesChanged: ``keep_dtypes``, and the new state's dtypes differ
+      (known from the trace: nothing is evaluated).
   """
   try:
     updates, new_state = update_on_selected_state(
-      inner, should_apply, grads, inner_state, params, extra_args
+      inner, should_apply, grads, inner_state, params, extra_args, keep_dtypes
     )
   except _StructureError as e:
     raise ValueError(str(e)) from None
+  except StateDtypesChanged:
+    raise
   except Exception as e:  # noqa: BLE001 - reported, and retried the plain way
-    out = select_after(inner, should_apply, grads, inner_state, params, extra_args)
+    out = select_after(
+      inner, should_apply, grads, inner_state, params, extra_args, keep_dtypes
+    )
     warnings.warn(
       "The loss scale could not place its skip inside the inner update "
       f"({type(e).__name__}: {e}); it selects the state after the update "
       "instead. The results are the same, but when buffers are donated XLA "
       "may copy the optimizer state on every step.",
       SkipFallbackWarning,
-      stacklevel=3,  # the code that called the transformation's update
+      stacklevel=stacklevel,
     )
     return out
   return _zeros_where_skipped(should_apply, updates), new_state
@@ -161,6 +196,7 @@ def update_on_selected_state(
   inner_state: Any,
   params: Any,
   extra_args: dict[str, Any],
+  keep_dtypes: bool = False,
 ) -> tuple[Any, Any]:
   """``inner.update`` with each new state leaf selected where it is made.
 
@@ -191,6 +227,8 @@ def update_on_selected_state(
       "The wrapped transformation returned a state of another structure than "
       "the one it was given."
     )
+  if keep_dtypes and dtypes_changed(inner_state, state_shape):
+    raise StateDtypesChanged
   old_state = jax.tree.leaves(inner_state)
   n_updates = len(jax.tree.leaves(updates_shape))
   state_outvars = closed.jaxpr.outvars[n_updates:]

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from optax_lossscale._base import tree as _tree
+from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale.core import LossScaleState
 
@@ -175,18 +176,20 @@ def blame_none_gradients(grads: Any, params: Any, error: Exception) -> None:
 
 
 def check_inner_state(
-  owner: str, inner: Any, inner_state: Any, grads: Any, params: Any
+  owner: str, memo: InitMemo, inner_state: Any, grads: Any, params: Any
 ) -> None:
   """A readable error, at trace time, for a state made by another optimizer.
 
-  ``inner_state`` must have the structure ``inner.init(params)`` would give
-  (``grads`` where there are no ``params``). A ``ValueError`` that ``init``
-  raises on these parameters is raised (it names what is wrong with them);
-  an ``init`` that needs what cannot be given here is not checked.
+  ``inner_state`` must have the structure the inner ``init`` gives for
+  ``params`` (``grads`` where there are no ``params``), as ``memo`` remembers
+  it (``init`` is traced only for parameters no ``init`` was seen for). A
+  ``ValueError`` that ``init`` raises on these parameters is raised (it
+  names what is wrong with them); an ``init`` that needs what cannot be
+  given here is not checked.
   """
   like = params if params is not None else grads
   try:
-    expected = jax.tree.structure(jax.eval_shape(inner.init, like))
+    expected = jax.tree.structure(memo.made(like))
   except ValueError:
     if params is None:
       return

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from optax_lossscale._base import tree as _tree
+from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale import overwrite as _overwrite
@@ -68,49 +69,14 @@ def _validate_grads(grads: Any, params: Any) -> None:
   jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
 
 
-def _float32_leaves(
-  body: Any, grads: Any, inner_state: Any, params: Any, extra_args: dict
-) -> Any | None:
-  """Which gradient leaves reach ``body`` unscaled in float32, decided per leaf.
-
-  The half-precision leaves a ``master_weights`` state keeps float32
-  masters of (``_state.float32_gradient_leaves``), provided that ``body``'s
-  update, given them in float32, returns a state of the same dtypes as it
-  was given (checked abstractly, when tracing: nothing is computed). A
-  state that holds those gradients in half precision before
-  ``master_weights`` sees them (``optax.trace`` in a chain before it)
-  would otherwise change dtype at the first update; then every leaf keeps
-  its dtype, and a :class:`HalfPrecisionStateWarning` says why.
-  """
-  wanted = _state.float32_gradient_leaves(inner_state, grads)
-  if wanted is None:
-    return None
-
-  def probe():
-    g = jax.tree.map(lambda x, w: x.astype(jnp.float32) if w else x, grads, wanted)
-    return body.update(g, inner_state, params, **extra_args)[1]
-
-  try:
-    out = jax.tree.leaves(jax.eval_shape(probe))
-  except Exception:  # noqa: BLE001 - the update itself says what is wrong
-    return None
-  old = jax.tree.leaves(inner_state)
-  if len(out) != len(old) or any(
-    _tree.is_array(a) and (a.dtype, a.shape) != (b.dtype, b.shape)
-    for a, b in zip(old, out, strict=False)
-  ):
-    warnings.warn(
-      "master_weights sits after a transformation whose state holds the "
-      "gradients in half precision (optax.trace or scale_by_adam in a chain "
-      "before it, say): the loss scale hands the gradients over in their own "
-      "dtype, so that this state keeps its dtypes, and small gradients are "
-      "lost in it. Put master_weights around the whole optimizer: "
-      "dynamic_loss_scale(master_weights(optax.chain(...), ...)).",
-      _state.HalfPrecisionStateWarning,
-      stacklevel=4,
-    )
-    return None
-  return wanted
+_HALF_STATE_MESSAGE = (
+  "master_weights sits after a transformation whose state holds the "
+  "gradients in half precision (optax.trace or scale_by_adam in a chain "
+  "before it, say): the loss scale hands the gradients over in their own "
+  "dtype, so that this state keeps its dtypes, and small gradients are "
+  "lost in it. Put master_weights around the whole optimizer: "
+  "dynamic_loss_scale(master_weights(optax.chain(...), ...))."
+)
 
 
 def loss_scale_transformation(
@@ -136,13 +102,18 @@ def loss_scale_transformation(
   if not isinstance(track_nonfinite, bool):
     raise ValueError(f"`track_nonfinite` must be a bool, got {track_nonfinite!r}.")
   inner = optax.with_extra_args_support(inner)
+  # What the inner init makes, remembered for the update's state check.
+  memo = InitMemo(inner.init)
+  recorded = optax.GradientTransformationExtraArgs(
+    lambda params: memo.record(params, inner.init(params)), inner.update
+  )
   # The inner transformation on the other leaves, when the parameters hold
   # leaves that Flax overwrites with their new value (float8 meta).
-  overwriting = _overwrite.with_overwrites(inner)
+  overwriting = _overwrite.with_overwrites(recorded)
 
   def init_fn(params):
     has_overwrites = _overwrite.overwrite_mask(params) is not None
-    inner_state = (overwriting if has_overwrites else inner).init(params)
+    inner_state = (overwriting if has_overwrites else recorded).init(params)
     nested = _tree.find_all(inner_state, _state.is_loss_scale_state)
     if nested:
       paths = ", ".join(".inner_state" + jax.tree_util.keystr(p) for p, _ in nested)
@@ -181,74 +152,96 @@ def loss_scale_transformation(
     body = inner if mask is None else overwriting
     if mask is None:
       _state.check_inner_state(
-        "this loss scale", inner, state.inner_state, updates, params
+        "this loss scale", memo, state.inner_state, updates, params
       )
     else:
       regular_params = None if params is None else _overwrite.split(params, mask)[0]
       _state.check_inner_state(
         "this loss scale",
-        inner,
+        memo,
         state.inner_state.inner_state,
         _overwrite.split(updates, mask)[0],
         regular_params,
       )
 
-    # The leaves an inner state keeps float32 master weights of
-    # (master_weights, at any depth) take their gradients unscaled in
-    # float32; every other leaf keeps its dtype.
-    float32 = _float32_leaves(body, updates, state.inner_state, params, extra_args)
-
     def as_checked(tree):  # float8 meta values as the floats they hold
       return tree if mask is None else _overwrite.as_floats(tree)
 
-    def unscaled(g):
-      return _core.unscale_tree(g, scale, factor, keep=mask, float32=float32)
+    def step(float32):
+      """Unscale, check, adjust, record, skip, with ``float32`` marking the
+      leaves handed over unscaled in float32."""
 
-    grads = updates if config.noop else unscaled(updates)
-    if config.noop and not track_nonfinite:
-      finite = jnp.array(True)  # nothing is checked
-    else:
-      try:
-        finite = _core.check(
-          as_checked(updates),
-          as_checked(grads),
-          config,
-          axis_name,
-          factor=factor,
-          loss_scale=scale,
-        )
-      except ValueError as e:
-        if not config.noop:
-          raise
-        raise ValueError(
-          "NoOpLossScale skips nothing, but its non-finite record needs one "
-          "flag for all devices. " + str(e).replace("skip the step", "record it")
-        ) from None
-    new_state, should_apply = _core.adjust(state, finite, config)
-    if track_nonfinite:
-      record = _telemetry.note(
-        state.nonfinite,
-        finite,
-        updates,
-        lambda g: as_checked(unscaled(g)),  # what the check read
-        extra_args.get("value"),
-        scale,
-        axis_name,
-      )
-      new_state = new_state._replace(nonfinite=record)
-    try:
-      if config.skip_nonfinite:
-        new_updates, new_inner = _skip.apply_or_skip(
-          body, should_apply, grads, state.inner_state, params, extra_args
-        )
+      def unscaled(g):
+        return _core.unscale_tree(g, scale, factor, keep=mask, float32=float32)
+
+      grads = updates if config.noop else unscaled(updates)
+      if config.noop and not track_nonfinite:
+        finite = jnp.array(True)  # nothing is checked
       else:
-        new_updates, new_inner = body.update(
-          grads, state.inner_state, params, **extra_args
+        try:
+          finite = _core.check(
+            as_checked(updates),
+            as_checked(grads),
+            config,
+            axis_name,
+            factor=factor,
+            loss_scale=scale,
+          )
+        except ValueError as e:
+          if not config.noop:
+            raise
+          raise ValueError(
+            "NoOpLossScale skips nothing, but its non-finite record needs one "
+            "flag for all devices. " + str(e).replace("skip the step", "record it")
+          ) from None
+      new_state, should_apply = _core.adjust(state, finite, config)
+      if track_nonfinite:
+        record = _telemetry.note(
+          state.nonfinite,
+          finite,
+          updates,
+          lambda g: as_checked(unscaled(g)),  # what the check read
+          extra_args.get("value"),
+          scale,
+          axis_name,
         )
-    except (ValueError, TypeError) as e:
-      _state.blame_none_gradients(updates, params, e)
-      raise
-    return new_updates, new_state._replace(inner_state=new_inner)
+        new_state = new_state._replace(nonfinite=record)
+      keep = float32 is not None  # the inner state must keep its dtypes
+      try:
+        if config.skip_nonfinite:
+          new_updates, new_inner = _skip.apply_or_skip(
+            body,
+            should_apply,
+            grads,
+            state.inner_state,
+            params,
+            extra_args,
+            keep,
+            stacklevel=4,  # the code that called update
+          )
+        else:
+          new_updates, new_inner = body.update(
+            grads, state.inner_state, params, **extra_args
+          )
+          if keep and _skip.dtypes_changed(state.inner_state, new_inner):
+            raise _skip.StateDtypesChanged
+      except (ValueError, TypeError) as e:
+        _state.blame_none_gradients(updates, params, e)
+        raise
+      return new_updates, new_state._replace(inner_state=new_inner)
+
+    # The leaves an inner state keeps float32 master weights of
+    # (master_weights, at any depth) take their gradients unscaled in
+    # float32; every other leaf keeps its dtype. Unless the inner state
+    # would then change dtype (it holds those gradients in half precision
+    # before master_weights sees them): known from the one trace of the
+    # inner update, which is then traced again without float32 leaves.
+    float32 = _state.float32_gradient_leaves(state.inner_state, updates)
+    try:
+      return step(float32)
+    except _skip.StateDtypesChanged:
+      warnings.warn(_HALF_STATE_MESSAGE, _state.HalfPrecisionStateWarning, stacklevel=2)
+      return step(None)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -30,6 +30,7 @@ import optax
 
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
+from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import state as _state
 from optax_lossscale._params import rounding as _rounding
 from optax_lossscale._params.low_precision import needs_params, zip_leaves
@@ -210,6 +211,7 @@ def master_weights(
   ):
     raise ValueError(f"`inner` must be an optax GradientTransformation, got {inner!r}.")
   wrapped = optax.with_extra_args_support(inner)
+  memo = InitMemo(wrapped.init)
 
   def init_fn(params):
     def kept(path, p):
@@ -224,7 +226,8 @@ def master_weights(
     masters = jax.tree.map(
       lambda p: p.astype(_F32) if _rounding.is_half(p) else p, params
     )
-    return MasterWeightsState(master=master, inner_state=wrapped.init(masters))
+    inner_state = memo.record(masters, wrapped.init(masters))
+    return MasterWeightsState(master=master, inner_state=inner_state)
 
   def update_fn(updates, state, params=None, **extra_args):
     needs_params("master_weights", params)
@@ -241,7 +244,7 @@ def master_weights(
     ]
     grads, masters_tree = (jax.tree.unflatten(treedef, x) for x in (grads, masters))
     _state.check_inner_state(
-      "master_weights", inner, state.inner_state, grads, masters_tree
+      "master_weights", memo, state.inner_state, grads, masters_tree
     )
     try:
       inner_updates, inner_state = wrapped.update(

@@ -40,6 +40,7 @@ import optax
 
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
+from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import state as _state
 from optax_lossscale._params import moments as _moments
 from optax_lossscale._params.quantize_codec import (
@@ -249,6 +250,7 @@ def quantize_state(
   if select is not None and not callable(select):
     raise ValueError(f"`select` must be None or a function, got {select!r}.")
   wrapped = optax.with_extra_args_support(inner)
+  memo = InitMemo(wrapped.init)
 
   def chosen(inner_state, shapes) -> list[int]:
     """The indices (in ``jax.tree.leaves`` order) of the leaves to quantise."""
@@ -289,14 +291,14 @@ def quantize_state(
   def expected(params):
     """The state ``init_fn(params)`` makes, abstract, without encoding
     anything: the quantised leaves' layouts follow from their shapes."""
-    inner_state = jax.eval_shape(wrapped.init, params)
+    inner_state = memo.made(params)  # init is not traced again
     leaves, treedef = jax.tree.flatten(inner_state)
     for i in chosen(inner_state, _shapes(params)):
       leaves[i] = layout(leaves[i], block_size, store_sqrt)
     return QuantizedState(jax.tree.unflatten(treedef, leaves))
 
   def init_fn(params):
-    inner_state = wrapped.init(params)
+    inner_state = memo.record(params, wrapped.init(params))
     if _state.wants_float32_gradients(inner_state):
       raise ValueError(
         "quantize_state: the inner state holds a master_weights state, whose "
