@@ -9,6 +9,7 @@ traced once.
 
 import contextlib
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -254,3 +255,31 @@ def test_one_trace_of_the_update_traces_the_inner_update_once_and_init_never(wra
   calls.update(init=0, update=0)
   jax.make_jaxpr(lambda *a: fresh.update(*a))(params, state, params)  # anew
   assert calls == {"init": 0, "update": 1}
+
+
+class _OwnMastersState(NamedTuple):
+  """A state of this test's own that declares the KeepsFloat32Masters role."""
+
+  master: dict
+  keeps_float32_masters = True  # a class attribute, not a field
+
+
+def test_a_state_declaring_float32_masters_gets_float32_gradients():
+  from optax_lossscale._base import state_roles
+
+  seen = []
+
+  def update(updates, state, params=None):
+    seen.append(jax.tree.map(lambda g: g.dtype, updates))
+    return updates, state
+
+  params = {"a": jnp.ones(2, BF16), "b": jnp.ones(2, BF16)}
+  # masters of `a` only: `a`'s gradient arrives in float32, `b`'s in bfloat16
+  own = optax.GradientTransformation(
+    lambda p: _OwnMastersState({"a": p["a"].astype(F32), "b": None}), update
+  )
+  tx = ols.dynamic_loss_scale(own, initial_scale=4.0)
+  state = tx.init(params)
+  assert state_roles.keeps_masters(state.inner_state)
+  tx.update({"a": jnp.ones(2, BF16), "b": jnp.ones(2, BF16)}, state, params)
+  assert seen == [{"a": F32, "b": BF16}]

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import core as _core
@@ -33,7 +34,6 @@ __all__ = [
   "get_scale",
   "is_loss_scale_state",
   "none_gradients",
-  "register_half_by_design",
   "optimizer_state",
   "wants_float32_gradients",
   "warn_half_state",
@@ -41,31 +41,14 @@ __all__ = [
 ]
 
 
-# Optimizer-state classes whose float16 leaves are float16 by design (a Kahan
-# compensation): the parameter tools register them, so that the loss scale,
-# which sits below those tools, leaves them out of its float16 checks.
-_HALF_BY_DESIGN: list[type] = []
-
-
-def register_half_by_design(cls: type) -> type:
-  """Marks the state class ``cls`` as float16 by design; returns ``cls``.
-
-  :func:`without_half_by_design` drops its instances, so that the float16
-  checks (the warning at ``init``, ``check_skipped_steps``' suspects) do not
-  count them.
-  """
-  _HALF_BY_DESIGN.append(cls)
-  return cls
-
-
 def without_half_by_design(state: Any) -> Any:
-  """``state`` with every instance of a registered class replaced by ``None``.
+  """``state`` with every :class:`~optax_lossscale._base.state_roles.HalfByDesign`
+  state (a Kahan compensation) replaced by ``None``.
 
   What is left holds the optimizer's own state, whose float16 leaves under-
   and overflow.
   """
-  kinds = tuple(_HALF_BY_DESIGN)
-  marked = lambda x: isinstance(x, kinds)  # noqa: E731
+  marked = _roles.is_half_by_design
   return jax.tree.map(lambda x: None if marked(x) else x, state, is_leaf=marked)
 
 
@@ -87,21 +70,18 @@ def optimizer_state(obj: Any) -> Any:
 
 
 def wants_float32_gradients(opt_state: Any) -> bool:
-  """Whether ``opt_state`` holds, at any depth, a state whose class says
-  ``float32_gradients = True`` (``master_weights``'): the gradients are
-  then unscaled into float32 for it, not cast back to their dtype. A fact
-  of the state's structure, known when tracing."""
-  return bool(
-    _tree.find_all(
-      opt_state, lambda x: getattr(type(x), "float32_gradients", 0) is True
-    )
-  )
+  """Whether ``opt_state`` holds, at any depth, a
+  :class:`~optax_lossscale._base.state_roles.KeepsFloat32Masters` state
+  (``master_weights``'): the gradients are then unscaled into float32 for
+  it, not cast back to their dtype. A fact of the state's structure, known
+  when tracing."""
+  return bool(_tree.find_all(opt_state, _roles.keeps_masters))
 
 
 def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
   """Which leaves of ``grads`` an inner state keeps float32 masters for.
 
-  A state whose class says ``float32_gradients = True``
+  A :class:`~optax_lossscale._base.state_roles.KeepsFloat32Masters` state
   (``master_weights``') holds, in its ``master`` field, a tree like the
   parameters it was made for, with an array at each half-precision leaf it
   keeps a float32 master of (``optax.MaskedNode`` or ``None`` elsewhere:
@@ -115,16 +95,14 @@ def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
   Returns:
     A tree of bools like ``grads``, or ``None`` when no leaf is marked.
   """
-  found = _tree.find_all(
-    opt_state, lambda x: getattr(type(x), "float32_gradients", 0) is True
-  )
+  found = _tree.find_all(opt_state, _roles.keeps_masters)
   if not found:
     return None
   kept = set()
   for _, node in found:
-    flat = jax.tree_util.tree_flatten_with_path(
-      getattr(node, "master", None), is_leaf=_tree.is_variable
-    )[0]
+    flat = jax.tree_util.tree_flatten_with_path(node.master, is_leaf=_tree.is_variable)[
+      0
+    ]
     kept.update(
       _tree.keystr(path) for path, x in flat if _tree.is_array(_tree.unwrap(x))
     )
@@ -322,7 +300,7 @@ def warn_half_state(params: Any, inner_state: Any) -> None:
   ``|g|`` of about 0.0055, and ``eps=1e-8`` is 0) and overflow (``g**2``
   above 256): the update divides by zero, the parameters become inf or NaN,
   and every later step is skipped while the scale falls to its floor. A
-  state that :func:`register_half_by_design` marks (a ``kahan_summation``
+  :class:`~optax_lossscale._base.state_roles.HalfByDesign` state (a ``kahan_summation``
   compensation) is float16 by design and not counted.
   """
   leaves = jax.tree.leaves(params, is_leaf=_tree.is_variable)

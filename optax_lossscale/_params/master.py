@@ -14,8 +14,8 @@ master weight is kept in the state as what the parameter lacks:
   bfloat16.
 
 Under ``dynamic_loss_scale(master_weights(...))`` the loss scale hands it
-the gradients unscaled in float32 (its state says so:
-``MasterWeightsState.float32_gradients``), so the small gradients the scale
+the gradients unscaled in float32 (its state says so: it is a
+``KeepsFloat32Masters`` state), so the small gradients the scale
 rescued never pass through float16 again.
 """
 
@@ -63,8 +63,8 @@ class MasterWeightsState(NamedTuple):
 
   #: A loss scale whose inner state holds this state (at any depth) hands
   #: the gradients on unscaled in float32, not cast back to the parameters'
-  #: dtype.
-  float32_gradients = True
+  #: dtype (the ``KeepsFloat32Masters`` protocol of ``_base/state_roles.py``).
+  keeps_float32_masters = True  # a class attribute, not a field
 
 
 @_tree.rebuilt_as_itself
