@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 from flax.training import train_state
 
+from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import grad as _grad
 from optax_lossscale._loss_scale import overwrite as _overwrite
@@ -341,7 +342,7 @@ def nnx_update(
     graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
     params = nnx.as_pure(nnx.state(model, optimizer.wrt, **graph))
     nnx.update(model, _overwrite.apply_overwrites(params, optimizer))
-  if before is not None and _loss_scaled(_state.optimizer_state(optimizer)):
+  if before is not None and _loss_scaled(_opt_state.optimizer_state(optimizer)):
     now = dict(nnx.to_flat_state(nnx.state(model)))
     old = list(nnx.to_flat_state(before))
     missing = [path for path, _ in old if path not in now]

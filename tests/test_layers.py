@@ -1,11 +1,12 @@
 """The import graph: subsystems in layers, each importing only those below it.
 
-From the bottom: ``_base`` (pytree, dtype, argument and jaxpr helpers), the
-loss scale (``_loss_scale``), the low-precision parameters (``_params``),
-the low-bit matmuls (``_lowbit``, whose quantisers round with ``_params``'
-rounding), autocast (``_autocast``, whose recipes run the low-bit matmuls),
-and on top the public modules: the package itself, ``optax_lossscale.flax``
-and the porting package. Read from the sources (``import optax_lossscale``
+From the bottom: ``_base`` (pytree, dtype, argument, jaxpr, rounding and
+generic optimizer-state helpers); side by side over it, not importing each
+other, the loss scale (``_loss_scale``), the low-precision parameters
+(``_params``) and the low-bit matmuls (``_lowbit``); autocast
+(``_autocast``, whose recipes run the low-bit matmuls); and on top the
+public modules: the package itself, ``optax_lossscale.flax`` and the
+porting package. Read from the sources (``import optax_lossscale``
 itself imports every module, so only the source says which module needs
 which).
 """
@@ -48,14 +49,22 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 GRAPH = {name: _imports(path) for name, path in MODULES.items()}
 
-# The layers from the bottom; a module may import its own layer and those below.
-LAYERS = ("_base", "_loss_scale", "_params", "_lowbit", "_autocast")
-TOP = len(LAYERS)
+# The subsystems and their levels from the bottom: a module may import its
+# own subsystem and those of lower levels; subsystems of one level (siblings)
+# do not import each other.
+LEVELS = {"_base": 0, "_loss_scale": 1, "_params": 1, "_lowbit": 1, "_autocast": 2}
+LAYERS = tuple(LEVELS)
+TOP = max(LEVELS.values()) + 1
+
+
+def _subsystem(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 and parts[1] in LEVELS else None
 
 
 def _layer(module: str) -> int:
-  parts = module.split(".")
-  return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else TOP
+  sub = _subsystem(module)
+  return TOP if sub is None else LEVELS[sub]
 
 
 CORE = sorted(m for m in GRAPH if m != "optax_lossscale" and not m.startswith(PORTING))
@@ -93,7 +102,7 @@ def test_every_module_is_in_a_layer_or_public():
       assert parts[1] in LAYERS, f"{m} is in no layer: {LAYERS}"
   for layer in LAYERS:
     assert f"optax_lossscale.{layer}" in GRAPH, f"{layer} has no __init__"
-    assert sum(_layer(m) == LAYERS.index(layer) for m in CORE) > 1, layer
+    assert sum(_subsystem(m) == layer for m in CORE) > 1, layer
 
 
 @pytest.mark.parametrize("module", sorted(GRAPH))
@@ -101,8 +110,31 @@ def test_imports_run_down_the_layers(module):
   up = sorted(d for d in GRAPH[module] if d in GRAPH and _layer(d) > _layer(module))
   assert not up, (
     f"{module} (layer {_layer(module)}) imports {up} from a layer above it: "
-    f"the layers from the bottom are {LAYERS}, then the public modules."
+    f"the levels from the bottom are {LEVELS}, then the public modules."
   )
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_siblings_do_not_import_each_other(module):
+  # the loss scale, the parameter tools and the low-bit matmuls stand side
+  # by side over _base: what two of them share lives in _base
+  sub = _subsystem(module)
+  sideways = sorted(
+    d
+    for d in GRAPH[module]
+    if d in GRAPH
+    and sub is not None
+    and _subsystem(d) not in (None, sub)
+    and _layer(d) == _layer(module)
+  )
+  assert not sideways, f"{module} imports its siblings' {sideways}"
+
+
+def test_the_sibling_test_can_fail(tmp_path):
+  bad = tmp_path / "bad.py"
+  bad.write_text("from optax_lossscale._loss_scale import state as _s\n")
+  (dep,) = _imports(bad)
+  assert _subsystem(dep) == "_loss_scale" and _layer(dep) == LEVELS["_params"]
 
 
 def test_the_direction_test_sees_an_upward_import(tmp_path):

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import optax_lossscale as ols
-from optax_lossscale._params import rounding as _rounding
+from optax_lossscale._base import rounding as _rounding
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam, apply_updates
 

@@ -15,7 +15,7 @@ import pytest
 from jaxprs import eqns as all_eqns
 
 import optax_lossscale as ols
-from optax_lossscale._loss_scale import state as _loss_scale_state
+from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._params import quantize_state as q
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam, apply_updates
@@ -219,7 +219,7 @@ def test_under_master_weights_a_bfloat16_model_keeps_exact_masters():
   assert _bits(ols.get_master_weights(state, params)) == _bits(rp)
   assert _bits(state.inner_state) == _bits(rs)
   scaled = ols.dynamic_loss_scale(tx)  # the loss scale finds the masters in it
-  assert _loss_scale_state.wants_float32_gradients(scaled.init(params))
+  assert _roles.holds_masters(scaled.init(params))
 
 
 def test_multisteps_outside_it_leaves_the_state_alone_between_updates():

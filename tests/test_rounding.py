@@ -20,7 +20,7 @@ import pytest
 import versions
 
 import optax_lossscale as ols
-from optax_lossscale._params.rounding import (
+from optax_lossscale._base.rounding import (
   draw,
   exact_update,
   random_bits_dtype,

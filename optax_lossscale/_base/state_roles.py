@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-__all__ = ["HalfByDesign", "KeepsFloat32Masters", "is_half_by_design", "keeps_masters"]
+from optax_lossscale._base import tree as _tree
+
+__all__ = [
+  "HalfByDesign",
+  "KeepsFloat32Masters",
+  "holds_masters",
+  "is_half_by_design",
+  "keeps_masters",
+]
 
 
 @runtime_checkable
@@ -48,6 +56,15 @@ def keeps_masters(x: Any) -> bool:
 def is_half_by_design(x: Any) -> bool:
   """Whether ``x`` is a :class:`HalfByDesign` state."""
   return _declares(x, HalfByDesign)
+
+
+def holds_masters(opt_state: Any) -> bool:
+  """Whether ``opt_state`` holds, at any depth, a
+  :class:`~optax_lossscale._base.state_roles.KeepsFloat32Masters` state
+  (``master_weights``'): the gradients are then unscaled into float32 for
+  it, not cast back to their dtype. A fact of the state's structure, known
+  when tracing."""
+  return bool(_tree.find_all(opt_state, keeps_masters))
 
 
 #: (class, protocol) -> whether the class's instances are the protocol's. A

@@ -31,9 +31,9 @@ import numpy as np
 import optax
 from jax import lax
 
+from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import skip as _skip
-from optax_lossscale._loss_scale import state as _state
 
 __all__ = [
   "OVERWRITE_WITH_GRADIENT",
@@ -296,7 +296,7 @@ def find_overwrite_state(opt_state: Any) -> OverwriteState | None:
       the overwrite leaves' new values over its window before the loss scale
       sees them, and their maximum cannot be recovered from the mean.
   """
-  tree = _state.optimizer_state(opt_state)
+  tree = _opt_state.optimizer_state(opt_state)
   found = _tree.find_all(tree, _is_overwrite_state)
   if not found:
     return None

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
@@ -124,7 +125,7 @@ def check_skipped_steps(
     cause = _blame_parameters(
       bad_params,
       record,
-      given_state and _state.wants_float32_gradients(opt_state_or_diagnostics),
+      given_state and _roles.holds_masters(opt_state_or_diagnostics),
     )
   where = (
     ""

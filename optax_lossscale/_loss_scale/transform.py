@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import config as _config
@@ -151,12 +152,12 @@ def loss_scale_transformation(
     mask = _overwrite.state_mask(state.inner_state, updates)
     body = inner if mask is None else overwriting
     if mask is None:
-      _state.check_inner_state(
+      _opt_state.check_inner_state(
         "this loss scale", memo, state.inner_state, updates, params
       )
     else:
       regular_params = None if params is None else _overwrite.split(params, mask)[0]
-      _state.check_inner_state(
+      _opt_state.check_inner_state(
         "this loss scale",
         memo,
         state.inner_state.inner_state,
@@ -226,7 +227,7 @@ def loss_scale_transformation(
           if keep and _skip.dtypes_changed(state.inner_state, new_inner):
             raise _skip.StateDtypesChanged
       except (ValueError, TypeError) as e:
-        _state.blame_none_gradients(updates, params, e)
+        _opt_state.blame_none_gradients(updates, params, e)
         raise
       return new_updates, new_state._replace(inner_state=new_inner)
 

@@ -40,9 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale._base import rounding as _rounding
 from optax_lossscale._lowbit import exact as _exact
 from optax_lossscale._lowbit import layout as _layout
-from optax_lossscale._params import rounding as _rounding
 
 __all__ = ["FORMATS", "RULES", "BlockQuantized", "block_quantize", "round_e2m1"]
 

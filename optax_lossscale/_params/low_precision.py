@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
-from optax_lossscale._loss_scale import state as _state
-from optax_lossscale._params.rounding import draw, exact_update, is_half, round_to
+from optax_lossscale._base.rounding import draw, exact_update, is_half, round_to
 
 __all__ = [
   "KahanSummationState",
@@ -205,7 +205,7 @@ def stochastic_rounding(key: Any) -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     needs_params("stochastic_rounding", params)
-    _state.check_state_type("stochastic_rounding", state, StochasticRoundingState)
+    _opt_state.check_state_type("stochastic_rounding", state, StochasticRoundingState)
     key_data = state.rounding_key
     if getattr(key_data, "shape", None) != data.shape or key_data.dtype != data.dtype:
       raise ValueError(
@@ -313,7 +313,7 @@ def kahan_summation() -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     needs_params("kahan_summation", params)
-    _state.check_state_type("kahan_summation", state, KahanSummationState)
+    _opt_state.check_state_type("kahan_summation", state, KahanSummationState)
     treedef, paths, rows = zip_leaves(
       "kahan_summation", updates, params, state.compensation
     )

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_lossscale._base import opt_state as _opt_state
+from optax_lossscale._base import rounding as _rounding
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._base.init_memo import InitMemo
-from optax_lossscale._loss_scale import state as _state
-from optax_lossscale._params import rounding as _rounding
 from optax_lossscale._params.low_precision import needs_params, zip_leaves
 
 __all__ = [
@@ -231,7 +231,7 @@ def master_weights(
 
   def update_fn(updates, state, params=None, **extra_args):
     needs_params("master_weights", params)
-    _state.check_state_type("master_weights", state, MasterWeightsState)
+    _opt_state.check_state_type("master_weights", state, MasterWeightsState)
     treedef, paths, rows = zip_leaves("master_weights", updates, params, state.master)
     for path, (_, p, kept) in zip(paths, rows, strict=True):
       _check_kept("master_weights", path, p, kept, store)
@@ -243,7 +243,7 @@ def master_weights(
       for u, p, _ in rows
     ]
     grads, masters_tree = (jax.tree.unflatten(treedef, x) for x in (grads, masters))
-    _state.check_inner_state(
+    _opt_state.check_inner_state(
       "master_weights", memo, state.inner_state, grads, masters_tree
     )
     try:
@@ -251,7 +251,7 @@ def master_weights(
         grads, state.inner_state, masters_tree, **extra_args
       )
     except (ValueError, TypeError) as e:
-      _state.blame_none_gradients(grads, masters_tree, e)
+      _opt_state.blame_none_gradients(grads, masters_tree, e)
       raise
     new_updates, new_master = [], []
     flat_updates = treedef.flatten_up_to(inner_updates)
@@ -309,7 +309,7 @@ def get_master_weights(opt_state: Any, params: Any) -> Any:
       several, or ``params`` that do not fit it.
   """
   state = _tree.find_unique(
-    _state.optimizer_state(opt_state), _is_state, "master_weights state"
+    _opt_state.optimizer_state(opt_state), _is_state, "master_weights state"
   )
   master = _tree.unwrap_variables(state.master)
   params = _tree.unwrap_variables(params)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._base import rounding as _rounding
 from optax_lossscale._base import tree as _tree
-from optax_lossscale._params import rounding as _rounding
 
 __all__ = [
   "QuantizedLeaf",

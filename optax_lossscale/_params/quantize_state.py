@@ -38,10 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_lossscale._base import opt_state as _opt_state
+from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._base.init_memo import InitMemo
-from optax_lossscale._loss_scale import state as _state
 from optax_lossscale._params import moments as _moments
 from optax_lossscale._params.quantize_codec import (
   QuantizedLeaf,
@@ -299,7 +300,7 @@ def quantize_state(
 
   def init_fn(params):
     inner_state = memo.record(params, wrapped.init(params))
-    if _state.wants_float32_gradients(inner_state):
+    if _roles.holds_masters(inner_state):
       raise ValueError(
         "quantize_state: the inner state holds a master_weights state, whose "
         "master weights would be quantised. Put quantize_state inside it: "
@@ -331,7 +332,7 @@ def quantize_state(
     return jax.tree.unflatten(treedef, out)
 
   def check(state, like):
-    _state.check_state_type("quantize_state", state, QuantizedState)
+    _opt_state.check_state_type("quantize_state", state, QuantizedState)
     _check_layout(expected(like), state)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -433,7 +434,7 @@ def dequantize_state(state: Any) -> Any:
   Raises:
     ValueError: ``state`` holds no quantised leaf.
   """
-  state = _state.optimizer_state(state)
+  state = _opt_state.optimizer_state(state)
   is_q = lambda x: isinstance(x, QuantizedState) or _is_quantized(x)  # noqa: E731
   if not _tree.find_all(state, is_q):
     raise ValueError(

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
-from optax_lossscale._loss_scale import state as _state
 
 
 class EmaParamsState(NamedTuple):
@@ -135,7 +135,7 @@ def get_ema_params(opt_state: Any) -> optax.Params:
     ValueError: no :func:`ema_params` state in ``opt_state``, or several.
   """
   state = _tree.find_unique(
-    _state.optimizer_state(opt_state), _is_ema_state, "ema_params state"
+    _opt_state.optimizer_state(opt_state), _is_ema_state, "ema_params state"
   )
   return _tree.unwrap_variables(state.ema)
 

@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
-from optax_lossscale._loss_scale import state as _state
 
 __all__ = [
   "clip_each_by_norm",
@@ -116,7 +116,7 @@ def get_learning_rate(opt_state: Any) -> jax.Array:
 
   After a step it is the rate that step used (schedules included).
   """
-  state = _state.optimizer_state(opt_state)
+  state = _opt_state.optimizer_state(opt_state)
   return _tree.unwrap(_learning_rate_node(state).hyperparams["learning_rate"])
 
 

@@ -200,7 +200,7 @@ def round_to(x: Any, dtype: Any, bits: Any = None) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from optax_lossscale._params.rounding import round_to
+    >>> from optax_lossscale._base.rounding import round_to
     >>> x = jnp.full(2, 1 + 2.0**-9)  # a quarter of the way from 1 to 1 + 2**-7
     >>> round_to(x, jnp.bfloat16)
     Array([1., 1.], dtype=float32)

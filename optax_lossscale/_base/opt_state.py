@@ -1,0 +1,132 @@
+"""Generic optimizer-state helpers: the state of a train state, readable errors.
+
+What every wrapper transformation of the package (the loss scale, the
+parameter tools) needs of the states it is given, whatever they hold: the
+optax state inside a Flax train state, the type check of a state, the
+structure check against what the inner ``init`` makes (read from an
+:class:`~optax_lossscale._base.init_memo.InitMemo`), and the error that
+names a ``None`` gradient where an inner optimizer failed on one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._base.init_memo import InitMemo
+
+__all__ = [
+  "blame_none_gradients",
+  "check_inner_state",
+  "check_state_type",
+  "none_gradients",
+  "optimizer_state",
+]
+
+
+def optimizer_state(obj: Any) -> Any:
+  """The optax state held by ``obj``: itself, or its ``opt_state`` attribute.
+
+  Flax's ``TrainState`` and ``nnx.Optimizer`` keep the optax state in an
+  ``opt_state`` attribute; the helpers of this package accept them directly.
+  """
+  if isinstance(obj, (tuple, list, dict)):  # a state (a loss scale's too)
+    return obj
+  inner = getattr(obj, "opt_state", None)
+  return obj if inner is None else inner
+
+
+def check_state_type(name: str, state: Any, cls: type) -> None:
+  """A readable error for a state another transformation made."""
+  if not isinstance(state, cls):
+    raise ValueError(
+      f"{name}: the state is a {type(state).__name__}, not a {cls.__name__}: it "
+      f"was made by another transformation. Init it with this {name}."
+    )
+
+
+def check_inner_state(
+  owner: str, memo: InitMemo, inner_state: Any, grads: Any, params: Any
+) -> None:
+  """A readable error, at trace time, for a state made by another optimizer.
+
+  ``inner_state`` must have the structure the inner ``init`` gives for
+  ``params`` (``grads`` where there are no ``params``), as ``memo`` remembers
+  it (``init`` is traced only for parameters no ``init`` was seen for). A
+  ``ValueError`` that ``init`` raises on these parameters is raised (it
+  names what is wrong with them); an ``init`` that needs what cannot be
+  given here is not checked.
+  """
+  like = params if params is not None else grads
+  try:
+    expected = jax.tree.structure(memo.made(like))
+  except ValueError:
+    if params is None:
+      return
+    raise
+  except Exception:  # noqa: BLE001 - init needs what we cannot give: no check
+    return
+  got = jax.tree.structure(inner_state)
+  if got != expected:
+    nones = [
+      _tree.keystr(path)
+      for path, g in jax.tree_util.tree_flatten_with_path(
+        grads, is_leaf=lambda x: x is None
+      )[0]
+      if g is None
+    ]
+    if params is None and nones:
+      raise ValueError(
+        f"The gradients hold None at {', '.join(nones[:4])}, and the optimizer "
+        "state does not fit them: the inner optimizer needs a gradient for "
+        "every parameter. Give zeros there, or pass params to update (it then "
+        "names the parameter)."
+      )
+    raise ValueError(
+      f"The state's inner_state was not made by {owner}'s inner "
+      "optimizer for these parameters (a state saved with another optimizer, "
+      "or made for parameters of another structure or dtype?). Restore it "
+      "into the optimizer that made it, pass the parameters it was made for, "
+      "or init a fresh state with this one.\n"
+      f"  state holds:    {_tree.short(got)}\n"
+      f"  inner.init has: {_tree.short(expected)}"
+    )
+
+
+def none_gradients(grads: Any, params: Any) -> list[str]:
+  """Paths where ``grads`` hold ``None`` for a parameter (any ``None`` without
+  ``params``)."""
+  is_none = lambda x: x is None  # noqa: E731
+  nones = [
+    _tree.keystr(path)
+    for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
+    if g is None
+  ]
+  if params is None:
+    return nones
+  present = {
+    _tree.keystr(path)
+    for path, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+    if p is not None
+  }
+  return [path for path in nones if path in present]
+
+
+def blame_none_gradients(grads: Any, params: Any, error: Exception) -> None:
+  """Re-raises the inner optimizer's ``error`` naming ``None`` gradients, if any.
+
+  optax's ``sgd`` leaves a ``None`` gradient's parameter alone; Adam and most
+  stateful optimizers cannot take one, and fail with a message about their
+  own state. When the gradients hold ``None`` for a parameter, that is the
+  likely cause, and the message says so first.
+  """
+  nones = none_gradients(grads, params)
+  if nones:
+    raise ValueError(
+      f"The gradient at {', '.join(nones[:4])} is None where there is a "
+      "parameter, and the wrapped optimizer failed on it: it needs a gradient "
+      "for every parameter. Give zeros (jnp.zeros_like), or keep the parameter "
+      f"out of the optimizer (optax.masked, optax.set_to_zero). Its error: {error}"
+    ) from None
