@@ -31,6 +31,9 @@ from optax_lossscale._loss_scale.grad import scale_loss as scale_loss
 from optax_lossscale._loss_scale.grad import value_and_grad as value_and_grad
 from optax_lossscale._loss_scale.guard import check_checkpoint as check_checkpoint
 from optax_lossscale._loss_scale.overwrite import apply_overwrites as apply_overwrites
+from optax_lossscale._loss_scale.plan import LeafPlan as LeafPlan
+from optax_lossscale._loss_scale.plan import LossScalePlan as LossScalePlan
+from optax_lossscale._loss_scale.plan import loss_scale_plan as loss_scale_plan
 from optax_lossscale._loss_scale.report import LeafReport as LeafReport
 from optax_lossscale._loss_scale.report import NonFiniteReport as NonFiniteReport
 from optax_lossscale._loss_scale.report import nonfinite_report as nonfinite_report
@@ -148,6 +151,9 @@ __all__ = (
   "default_half_dtype",
   "dequantize_state",
   "diagnostics",
+  "loss_scale_plan",
+  "LossScalePlan",
+  "LeafPlan",
   "dynamic_loss_scale",
   "ema_params",
   "enable_mixed_precision",

@@ -283,3 +283,84 @@ def test_a_state_declaring_float32_masters_gets_float32_gradients():
   assert state_roles.keeps_masters(state.inner_state)
   tx.update({"a": jnp.ones(2, BF16), "b": jnp.ones(2, BF16)}, state, params)
   assert seen == [{"a": F32, "b": BF16}]
+
+
+# What loss_scale_plan prints is what update does: a table over compositions.
+PLANS = {
+  "adam": (lambda: optax.adam(1e-3), F32, {"a": "own dtype", "b": "own dtype"}),
+  "master_weights, bfloat16": (
+    lambda: ols.master_weights(optax.adam(1e-3)),
+    BF16,
+    {"a": "float32", "b": "float32"},
+  ),
+  "master_weights on one branch": (
+    lambda: optax.multi_transform(
+      {"x": ols.master_weights(optax.adam(1e-3)), "plain": optax.sgd(0.1)}, LABELS
+    ),
+    BF16,
+    {"a": "float32", "b": "own dtype"},
+  ),
+  "master_weights(quantize_state)": (
+    lambda: ols.master_weights(ols.quantize_state(optax.adam(1e-3), min_size=0)),
+    BF16,
+    {"a": "float32", "b": "float32"},
+  ),
+}
+
+
+@pytest.mark.parametrize("case", PLANS)
+def test_the_printed_plan_is_what_update_does(case):
+  make, dtype, expected = PLANS[case]
+  seen = []
+
+  def spy(tx):
+    def update(updates, state, params=None, **extra):
+      seen.append({k: v.dtype for k, v in updates.items()})
+      return tx.update(updates, state, params, **extra)
+
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+
+  params = {"a": jnp.ones(4, dtype), "b": jnp.ones(3, dtype)}
+  tx = ols.dynamic_loss_scale(spy(make()), initial_scale=4.0)
+  state = tx.init(params)
+  plan = ols.loss_scale_plan(state, params)
+  assert {leaf.path: leaf.handed_over for leaf in plan.leaves} == {
+    f"['{k}']": v for k, v in expected.items()
+  }
+  assert all(leaf.dtype == jnp.dtype(dtype).name for leaf in plan.leaves)
+  tx.update(params, state, params)
+  # the inner optimizer received float32 exactly where the plan says so
+  assert seen == [{k: F32 if v == "float32" else dtype for k, v in expected.items()}]
+  quantised = {leaf.path: leaf.quantized_state for leaf in plan.leaves}
+  if "quantize_state" in case:
+    assert all(len(q) == 2 for q in quantised.values())  # mu and nu
+    assert all("blocks of 256" in d for q in quantised.values() for d in q)
+  else:
+    assert not any(quantised.values())
+  table = str(plan)
+  assert table.splitlines()[0].split() == [
+    "leaf",
+    "dtype",
+    "handed",
+    "over",
+    "quantised",
+    "state",
+  ]
+  assert len(table.splitlines()) == 3
+
+
+def test_the_plan_names_flax_overwrite_leaves_and_refuses_a_state_without_them():
+  params = {
+    "params": {"w": jnp.ones(3)},
+    "_overwrite_with_gradient": {"amax": jnp.zeros(4)},
+  }
+  tx = ols.dynamic_loss_scale(optax.adam(1e-3))
+  plan = ols.loss_scale_plan(tx.init(params), params)
+  how = {leaf.path: leaf.handed_over for leaf in plan.leaves}
+  assert how == {
+    "['_overwrite_with_gradient']['amax']": "overwritten",
+    "['params']['w']": "own dtype",
+  }
+  state = tx.init({"params": params["params"]})
+  with pytest.raises(ValueError, match="made without them"):
+    ols.loss_scale_plan(state, params)

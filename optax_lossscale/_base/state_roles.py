@@ -17,8 +17,10 @@ from optax_lossscale._base import tree as _tree
 __all__ = [
   "HalfByDesign",
   "KeepsFloat32Masters",
+  "StoredQuantized",
   "holds_masters",
   "is_half_by_design",
+  "is_quantized",
   "keeps_masters",
 ]
 
@@ -47,6 +49,17 @@ class HalfByDesign(Protocol):
   half_by_design: ClassVar[bool]
 
 
+@runtime_checkable
+class StoredQuantized(Protocol):
+  """A state leaf stored block-quantised (``quantize_state``'s): the inner
+  transformation made it in ``dtype``; ``block_size`` elements share a
+  scale. Inspectors read its dtype here, not from an array."""
+
+  stored_quantized: ClassVar[bool]
+  dtype: Any
+  block_size: int
+
+
 def keeps_masters(x: Any) -> bool:
   """Whether ``x`` is a :class:`KeepsFloat32Masters` state (a class, not an
   instance, is not)."""
@@ -56,6 +69,11 @@ def keeps_masters(x: Any) -> bool:
 def is_half_by_design(x: Any) -> bool:
   """Whether ``x`` is a :class:`HalfByDesign` state."""
   return _declares(x, HalfByDesign)
+
+
+def is_quantized(x: Any) -> bool:
+  """Whether ``x`` is a :class:`StoredQuantized` state leaf."""
+  return _declares(x, StoredQuantized)
 
 
 def holds_masters(opt_state: Any) -> bool:

@@ -23,6 +23,7 @@ from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale import overwrite as _overwrite
+from optax_lossscale._loss_scale import plan as _plan
 from optax_lossscale._loss_scale import skip as _skip
 from optax_lossscale._loss_scale import state as _state
 from optax_lossscale._loss_scale import telemetry as _telemetry
@@ -149,7 +150,8 @@ def loss_scale_transformation(
     scale = state.loss_scale
     # Flax's float8 overwrite leaves (new values, not gradients): never
     # unscaled and never seen by `inner`, but checked with the gradients.
-    mask = _overwrite.state_mask(state.inner_state, updates)
+    plan = _plan.plan_of(state.inner_state, updates)  # what loss_scale_plan prints
+    mask = plan.overwrite
     body = inner if mask is None else overwriting
     if mask is None:
       _opt_state.check_inner_state(
@@ -237,9 +239,8 @@ def loss_scale_transformation(
     # would then change dtype (it holds those gradients in half precision
     # before master_weights sees them): known from the one trace of the
     # inner update, which is then traced again without float32 leaves.
-    float32 = _state.float32_gradient_leaves(state.inner_state, updates)
     try:
-      return step(float32)
+      return step(plan.float32)
     except _skip.StateDtypesChanged:
       warnings.warn(_HALF_STATE_MESSAGE, _state.HalfPrecisionStateWarning, stacklevel=2)
       return step(None)

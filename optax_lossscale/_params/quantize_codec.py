@@ -205,6 +205,9 @@ class QuantizedLeaf:
   block_size: int
   sqrt: bool
 
+  #: the ``StoredQuantized`` protocol of ``_base/state_roles.py``
+  stored_quantized = True  # a class attribute, not a field
+
   def dequantize(self) -> jax.Array:
     """The leaf in float32: each code's map value times its block's absmax."""
     return _decode(self)

@@ -1,0 +1,169 @@
+"""The per-leaf plan of a loss-scaled update, read from the state's structure.
+
+What a loss scale does with each gradient leaf is decided by the optimizer
+state it is given, from its structure alone (no value is read, nothing is
+traced): a Flax float8 overwrite leaf (a new value, never unscaled, kept
+from the inner optimizer), a leaf handed over unscaled in float32 (a
+``master_weights`` state keeps a float32 master of it), or a leaf handed
+over in its own dtype; and which optimizer-state leaves of each parameter
+are stored block-quantised. :func:`loss_scale_plan` makes the plan; the
+loss scale's ``update`` reads the same plan, so what a user prints is what
+the step does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from optax_lossscale._base import opt_state as _opt_state
+from optax_lossscale._base import state_roles as _roles
+from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import overwrite as _overwrite
+from optax_lossscale._loss_scale import state as _state
+
+__all__ = ["LeafPlan", "LossScalePlan", "loss_scale_plan", "plan_of"]
+
+#: How a gradient leaf reaches the inner optimizer.
+FLOAT32, OWN_DTYPE, OVERWRITTEN = "float32", "own dtype", "overwritten"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+  """What a loss scale does with one gradient leaf.
+
+  Attributes:
+    path: the leaf's key path, as ``jax.tree_util.keystr`` writes it.
+    dtype: the gradient's dtype, as ``update`` receives it.
+    handed_over: ``"float32"`` (unscaled in float32: a float32 master of the
+      parameter is kept), ``"own dtype"`` (unscaled in its dtype), or
+      ``"overwritten"`` (a Flax float8 scale or amax history: the new value,
+      never unscaled and never seen by the inner optimizer).
+    quantized_state: the optimizer-state leaves of this parameter stored
+      block-quantised, each as ``"<path> (<dtype>, blocks of <n>)"``, the
+      path in the loss scale's ``inner_state``.
+  """
+
+  path: str
+  dtype: str
+  handed_over: str
+  quantized_state: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScalePlan:
+  """A loss scale's plan for one gradient tree: one :class:`LeafPlan` a leaf.
+
+  ``print(plan)`` shows it as a table. ``float32`` and ``overwrite`` are the
+  trees of bools the update uses (``None`` where no leaf is marked).
+  """
+
+  leaves: tuple[LeafPlan, ...]
+  float32: Any = dataclasses.field(repr=False, compare=False)
+  overwrite: Any = dataclasses.field(repr=False, compare=False)
+
+  def __str__(self) -> str:
+    rows = [("leaf", "dtype", "handed over", "quantised state")]
+    rows += [
+      (x.path, x.dtype, x.handed_over, ", ".join(x.quantized_state) or "-")
+      for x in self.leaves
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(
+      "  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3]
+      for r in rows
+    ).rstrip()
+
+
+def plan_of(inner_state: Any, grads: Any) -> LossScalePlan:
+  """The plan for ``grads`` under a loss scale whose inner state is
+  ``inner_state`` (what ``update`` calls; see :func:`loss_scale_plan`).
+
+  Raises:
+    ValueError: ``grads`` hold Flax overwrite leaves the state was made
+      without.
+  """
+  overwrite = _overwrite.state_mask(inner_state, grads)
+  regular = inner_state if overwrite is None else inner_state.inner_state
+  float32 = _state.float32_gradient_leaves(regular, grads)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  marks_32 = _marks(float32, treedef)
+  marks_ow = _marks(overwrite, treedef)
+  quantized = _quantized_by_owner(regular, [p for p, _ in flat])
+  leaves = []
+  for (path, g), f32, ow in zip(flat, marks_32, marks_ow, strict=True):
+    how = OVERWRITTEN if ow else FLOAT32 if f32 else OWN_DTYPE
+    dtype = str(g.dtype) if hasattr(g, "dtype") else type(g).__name__
+    key = _tree.keystr(path)
+    leaves.append(LeafPlan(key, dtype, how, tuple(quantized.get(key, ()))))
+  return LossScalePlan(tuple(leaves), float32, overwrite)
+
+
+def loss_scale_plan(opt_state: Any, grads: Any) -> LossScalePlan:
+  """What the loss scale in ``opt_state`` does with each leaf of ``grads``.
+
+  Read from the state's structure (nothing is computed or traced): which
+  leaves reach the inner optimizer unscaled in float32 (``master_weights``
+  keeps a float32 master of them), which in their own dtype, which are Flax
+  float8 overwrite leaves, and which optimizer-state leaves of each
+  parameter are stored block-quantised. The loss scale's ``update`` reads
+  the same plan.
+
+  Args:
+    opt_state: an optimizer state holding one loss-scale state (or a Flax
+      train state, or an ``nnx.Optimizer``).
+    grads: a gradient tree (the parameters do as well: only the structure
+      and dtypes are read).
+
+  Returns:
+    A :class:`LossScalePlan`; ``print`` it for a table.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, optax_lossscale as ols
+    >>> params = {"w": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.ones(3)}
+    >>> tx = ols.dynamic_loss_scale(ols.master_weights(optax.adam(1e-3)))
+    >>> print(ols.loss_scale_plan(tx.init(params), params))
+    leaf    dtype     handed over  quantised state
+    ['b']   float32   own dtype    -
+    ['w']   bfloat16  float32      -
+  """
+  inner_state = _state.find_loss_scale_state(
+    _opt_state.optimizer_state(opt_state)
+  ).inner_state
+  return plan_of(inner_state, grads)
+
+
+def _marks(tree: Any, treedef: Any) -> list[bool]:
+  """``tree``'s bools, one a leaf of ``treedef`` (all false for ``None``)."""
+  if tree is None:
+    return [False] * treedef.num_leaves
+  return [bool(m) for m in treedef.flatten_up_to(tree)]
+
+
+def _quantized_by_owner(inner_state: Any, param_paths: list) -> dict[str, list[str]]:
+  """Each parameter path's block-quantised state leaves: a quantised leaf
+  belongs to the parameter whose path ends its own path (Adam's ``mu`` of
+  ``['w']`` is at ``[0].mu['w']``)."""
+  owners = {tuple(p): _tree.keystr(p) for p in param_paths}
+  found = jax.tree_util.tree_flatten_with_path(
+    inner_state, is_leaf=_roles.is_quantized
+  )[0]
+  out: dict[str, list[str]] = {}
+  for path, x in found:
+    if not _roles.is_quantized(x):
+      continue
+    owner = next(
+      (
+        owners[tuple(path[k:])]
+        for k in range(len(path) + 1)
+        if tuple(path[k:]) in owners
+      ),
+      None,
+    )
+    if owner is not None:
+      desc = f"{_tree.keystr(path)} ({jnp.dtype(x.dtype)}, blocks of {x.block_size})"
+      out.setdefault(owner, []).append(desc)
+  return out
