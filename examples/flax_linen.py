@@ -34,7 +34,7 @@ def main(argv=None):
   x_train, x_test, y_train, y_test = load_data(args.seed)
   model = MLP(dtype=jnp.float16)
   params = model.init(jax.random.key(args.seed), x_train[:1])["params"]
-  tx = ols.LossScaleOptimizer(
+  tx = ols.porting.LossScaleOptimizer(
     "adam", dynamic_growth_steps=50, global_clipnorm=1.0, use_ema=True
   )
   state = LossScaleTrainState.create(apply_fn=model.apply, params=params, tx=tx)

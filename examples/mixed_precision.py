@@ -2,7 +2,7 @@
 
 The main example's MLP, written for float32 (no dtype arguments), trained on
 scikit-learn's 8x8 digits twice: as written, and through
-``optax_lossscale.enable_mixed_precision``, which rewrites the loss
+``optax_lossscale.porting.enable_mixed_precision``, which rewrites the loss
 function's jaxpr (matmuls in float16, exponentials, logarithms and sums in
 float32) and wraps Adam in dynamic loss scaling. Prints both test accuracies
 and the fraction of the loss function's FLOPs that run in float16, counted
@@ -93,13 +93,13 @@ def main(argv=None):
 
   f32_params, _ = train(
     loss_fn,
-    ols.with_loss_scale(optax.adam(1e-3), ols.NoOpLossScale()),
+    ols.porting.with_loss_scale(optax.adam(1e-3), ols.porting.NoOpLossScale()),
     params,
     data,
     args.steps,
     args.batch,
   )
-  fast_loss, tx = ols.enable_mixed_precision(
+  fast_loss, tx = ols.porting.enable_mixed_precision(
     loss_fn, optax.adam(1e-3), compute_dtype=jnp.float16, growth_interval=50
   )
   mp_params, mp_state = train(fast_loss, tx, params, data, args.steps, args.batch)

@@ -4,9 +4,16 @@ The public API is what this module exports. Each private module has one job,
 named in its first docstring line; the names in its ``__all__`` are the
 package-internal API the other modules use. The TensorFlow/Keras porting
 surface lives in the subpackage :mod:`optax_lossscale.porting`, above the
-core (which never imports it); its names are exported here too.
+core (which never imports it), and its names are spelled there
+(``optax_lossscale.porting.LossScaleOptimizer``); the general helpers it
+holds (the parameter average, the learning-rate getters) are exported here
+too. The TensorFlow/Keras names that were once exported here still resolve,
+with a ``DeprecationWarning`` naming the new spelling, for one release.
 """
 
+import warnings as _warnings
+
+from optax_lossscale import porting as porting
 from optax_lossscale._autocast.lists import ALLOW_LIST as ALLOW_LIST
 from optax_lossscale._autocast.lists import CLEAR_LIST as CLEAR_LIST
 from optax_lossscale._autocast.lists import DENY_LIST as DENY_LIST
@@ -83,25 +90,11 @@ from optax_lossscale._params.quantize_state import QuantizedState as QuantizedSt
 from optax_lossscale._params.quantize_state import QuantizeState as QuantizeState
 from optax_lossscale._params.quantize_state import dequantize_state as dequantize_state
 from optax_lossscale._params.quantize_state import quantize_state as quantize_state
-from optax_lossscale.porting import DynamicLossScale as DynamicLossScale
 from optax_lossscale.porting import EmaParamsState as EmaParamsState
-from optax_lossscale.porting import (
-  ExperimentalLossScaleOptimizer as ExperimentalLossScaleOptimizer,
-)
-from optax_lossscale.porting import LossScale as LossScale
-from optax_lossscale.porting import LossScaleOptimizer as LossScaleOptimizer
-from optax_lossscale.porting import NoOpLossScale as NoOpLossScale
-from optax_lossscale.porting import StaticLossScale as StaticLossScale
-from optax_lossscale.porting import UnscaledGradients as UnscaledGradients
 from optax_lossscale.porting import ema_params as ema_params
-from optax_lossscale.porting import enable_mixed_precision as enable_mixed_precision
-from optax_lossscale.porting import (
-  finalize_variable_values as finalize_variable_values,
-)
 from optax_lossscale.porting import get_ema_params as get_ema_params
 from optax_lossscale.porting import get_learning_rate as get_learning_rate
 from optax_lossscale.porting import set_learning_rate as set_learning_rate
-from optax_lossscale.porting import with_loss_scale as with_loss_scale
 
 __version__ = "0.1.0"
 
@@ -116,19 +109,14 @@ __all__ = (
   "INFER_LIST",
   "DEFAULT_MAX_SCALE",
   "DEFAULT_MIN_SCALE",
-  "DynamicLossScale",
   "Float8Matmul",
   "EmaParamsState",
-  "ExperimentalLossScaleOptimizer",
   "KahanSummationState",
-  "LossScale",
   "LossScaleConfig",
-  "LossScaleOptimizer",
   "LeafReport",
   "LossScaleState",
   "MasterWeights",
   "MasterWeightsState",
-  "NoOpLossScale",
   "QuantizeState",
   "QuantizedLeaf",
   "QuantizedState",
@@ -139,8 +127,6 @@ __all__ = (
   "SkipFallbackWarning",
   "HalfPrecisionStateWarning",
   "Adam8bit",
-  "StaticLossScale",
-  "UnscaledGradients",
   "StochasticRoundingState",
   "adam_8bit",
   "all_finite",
@@ -156,8 +142,6 @@ __all__ = (
   "LeafPlan",
   "dynamic_loss_scale",
   "ema_params",
-  "enable_mixed_precision",
-  "finalize_variable_values",
   "format_matmuls",
   "find_loss_scale_state",
   "get_ema_params",
@@ -176,5 +160,23 @@ __all__ = (
   "stochastic_rounding",
   "unscale",
   "value_and_grad",
-  "with_loss_scale",
 )
+
+
+#: The TensorFlow/Keras names once exported here, now spelled
+#: ``optax_lossscale.porting.<name>`` only: the porting package's names that
+#: are not the general helpers exported above.
+_MOVED_TO_PORTING = frozenset(porting.__all__) - frozenset(__all__)
+
+
+def __getattr__(name: str):
+  if name in _MOVED_TO_PORTING:
+    _warnings.warn(
+      f"optax_lossscale.{name} is now optax_lossscale.porting.{name}: the "
+      "TensorFlow/Keras names live in the porting package, and this spelling "
+      "goes in the next release.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return getattr(porting, name)
+  raise AttributeError(f"module 'optax_lossscale' has no attribute {name!r}")

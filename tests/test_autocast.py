@@ -164,7 +164,7 @@ def test_unsupported_primitive_is_named():
 
 def test_enable_mixed_precision():
   loss, params, x = _setup("mlp")
-  fast, tx = ols.enable_mixed_precision(
+  fast, tx = ols.porting.enable_mixed_precision(
     loss, optax.adam(1e-3), compute_dtype=jnp.float16, growth_interval=10
   )
   state = tx.init(params)
@@ -172,12 +172,12 @@ def test_enable_mixed_precision():
   lv, grads = ols.value_and_grad(fast)(state, params, x)
   updates, state = tx.update(grads, state, params)
   assert int(state.good_steps) == 1
-  fast, tx = ols.enable_mixed_precision(
+  fast, tx = ols.porting.enable_mixed_precision(
     loss, optax.adam(1e-3), compute_dtype=jnp.bfloat16
   )
   assert float(ols.get_scale(tx.init(params))) == 1.0  # NoOpLossScale
   with pytest.raises(ValueError, match="does not need loss scaling"):
-    ols.enable_mixed_precision(
+    ols.porting.enable_mixed_precision(
       loss, optax.adam(1e-3), compute_dtype=jnp.bfloat16, growth_interval=10
     )
 
@@ -186,7 +186,7 @@ def test_enable_mixed_precision():
 def test_enable_mixed_precision_says_what_it_chose(caplog, compute_dtype):
   loss, params, _ = _setup("mlp")
   with caplog.at_level("INFO", logger="optax_lossscale"):
-    fast, tx = ols.enable_mixed_precision(
+    fast, tx = ols.porting.enable_mixed_precision(
       loss, optax.sgd(0.1), compute_dtype=compute_dtype
     )
   # Without compute_dtype, the backend's: bfloat16 on the CPU.

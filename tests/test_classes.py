@@ -63,7 +63,7 @@ DTYPE_ARGUMENTS = {
     ols.autocast(jnp.sum, compute_dtype=v).compute_dtype
   ),
   "enable_mixed_precision compute_dtype": lambda v: (
-    ols.enable_mixed_precision(jnp.sum, optax.sgd(1.0), compute_dtype=v)[
+    ols.porting.enable_mixed_precision(jnp.sum, optax.sgd(1.0), compute_dtype=v)[
       0
     ].compute_dtype
   ),
@@ -177,23 +177,25 @@ ENTRY_POINTS = {
   ),
   "LossScaleOptimizer": lambda g: (
     -_updates(
-      ols.LossScaleOptimizer(optax.sgd(1.0), initial_scale=SCALE),
+      ols.porting.LossScaleOptimizer(optax.sgd(1.0), initial_scale=SCALE),
       {"w": g},
       {"w": jnp.zeros_like(g)},
     )
   ),
   "LossScaleOptimizer.get_unscaled_gradients": lambda g: (
     lambda opt: opt.get_unscaled_gradients({"w": g}, opt.init({"w": jnp.zeros_like(g)}))
-  )(ols.LossScaleOptimizer(optax.sgd(1.0), initial_scale=SCALE))["w"],
+  )(ols.porting.LossScaleOptimizer(optax.sgd(1.0), initial_scale=SCALE))["w"],
   "loss_scale_factor": lambda g: (
     lambda opt: opt.get_unscaled_gradients({"w": g}, opt.init({"w": jnp.zeros_like(g)}))
-  )(ols.LossScaleOptimizer(optax.sgd(1.0), initial_scale=1.0, loss_scale_factor=SCALE))[
-    "w"
-  ],
-  "DynamicLossScale.unscale": lambda g: ols.DynamicLossScale(SCALE).unscale({"w": g})[
-    "w"
-  ],
-  "DynamicLossScale.unscale_and_update": lambda g: ols.DynamicLossScale(
+  )(
+    ols.porting.LossScaleOptimizer(
+      optax.sgd(1.0), initial_scale=1.0, loss_scale_factor=SCALE
+    )
+  )["w"],
+  "DynamicLossScale.unscale": lambda g: ols.porting.DynamicLossScale(SCALE).unscale(
+    {"w": g}
+  )["w"],
+  "DynamicLossScale.unscale_and_update": lambda g: ols.porting.DynamicLossScale(
     SCALE
   ).unscale_and_update({"w": g})[0]["w"],
 }
@@ -211,7 +213,9 @@ def test_a_float64_gradient_is_unscaled_in_float64(entry):
 
 def test_clipnorm_of_a_float64_gradient_is_in_float64():
   with x64():
-    opt = ols.LossScaleOptimizer(optax.sgd(1.0), initial_scale=1.0, clipnorm=1.0)
+    opt = ols.porting.LossScaleOptimizer(
+      optax.sgd(1.0), initial_scale=1.0, clipnorm=1.0
+    )
     g = jnp.asarray(VALUES, jnp.float64)
     got = -_updates(opt, {"w": g}, {"w": jnp.zeros_like(g)})
     want = VALUES / np.sqrt(np.sum(VALUES**2))
@@ -312,11 +316,11 @@ UNSCALERS = {
     lambda opt: opt.get_unscaled_gradients({"leaf": leaf}, opt.init({"leaf": leaf}))[
       "leaf"
     ]
-  )(ols.LossScaleOptimizer("sgd", initial_scale=SCALE_8)),
-  "DynamicLossScale.unscale": lambda leaf: ols.DynamicLossScale(SCALE_8).unscale(
-    {"leaf": leaf}
-  )["leaf"],
-  "DynamicLossScale.unscale_and_update": lambda leaf: ols.DynamicLossScale(
+  )(ols.porting.LossScaleOptimizer("sgd", initial_scale=SCALE_8)),
+  "DynamicLossScale.unscale": lambda leaf: ols.porting.DynamicLossScale(
+    SCALE_8
+  ).unscale({"leaf": leaf})["leaf"],
+  "DynamicLossScale.unscale_and_update": lambda leaf: ols.porting.DynamicLossScale(
     SCALE_8
   ).unscale_and_update({"leaf": leaf})[0]["leaf"],
 }
@@ -347,10 +351,10 @@ CHECKERS = {
   "all_finite": lambda leaf: bool(ols.all_finite({"leaf": leaf})),
   "check_checkpoint": lambda leaf: ols.check_checkpoint({"leaf": leaf}) is not None,
   "LossScaleOptimizer.check_finite": lambda leaf: bool(
-    ols.LossScaleOptimizer.check_finite({"leaf": leaf})
+    ols.porting.LossScaleOptimizer.check_finite({"leaf": leaf})
   ),
   "DynamicLossScale.update": lambda leaf: bool(
-    ols.DynamicLossScale(SCALE_8).update({"leaf": leaf})[1]
+    ols.porting.DynamicLossScale(SCALE_8).update({"leaf": leaf})[1]
   ),
 }
 
@@ -408,7 +412,7 @@ MAKERS = {
     optax.sgd(0.1), track_nonfinite=True
   ),
   "dynamic(adam)": lambda: ols.dynamic_loss_scale(optax.adam(0.1)),
-  "LossScaleOptimizer(sgd)": lambda: ols.LossScaleOptimizer("sgd"),
+  "LossScaleOptimizer(sgd)": lambda: ols.porting.LossScaleOptimizer("sgd"),
   "dynamic(MultiSteps)": lambda: ols.dynamic_loss_scale(
     optax.MultiSteps(optax.sgd(0.1), 2)
   ),
@@ -448,7 +452,7 @@ def test_a_state_from_another_configuration_comes_into_line_or_is_refused(
 
 def test_a_loss_scale_object_of_the_earlier_layout_unflattens():
   # Earlier versions flattened a LossScale object into its five counters.
-  ls = ols.DynamicLossScale(2.0**7, growth_interval=3)
+  ls = ols.porting.DynamicLossScale(2.0**7, growth_interval=3)
   counters = [getattr(ls.counters, f) for f in ols.LossScaleState._fields[:5]]
   old = type(ls).tree_unflatten(ls.config, counters)
   assert old.config == ls.config and float(old()) == 2.0**7
@@ -483,12 +487,12 @@ import optax_lossscale.porting as porting
 import jax.numpy as jnp, optax, optax_lossscale as ols
 ls = porting.DynamicLossScale(8.0)
 assert float(ols.get_scale(ls)) == 8.0
-assert porting.LossScaleOptimizer is ols.LossScaleOptimizer
+assert porting.LossScaleOptimizer is ols.porting.LossScaleOptimizer
 """,
   "a private porting module first": """
 from optax_lossscale.porting import _keras
 import optax_lossscale as ols
-assert _keras.LossScaleOptimizer is ols.LossScaleOptimizer
+assert _keras.LossScaleOptimizer is ols.porting.LossScaleOptimizer
 """,
   "the Flax helpers first": """
 import optax_lossscale.flax as olf

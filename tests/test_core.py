@@ -125,22 +125,22 @@ BAD_DYNAMIC = [
 @pytest.mark.parametrize(("kwargs", "name"), BAD_DYNAMIC)
 def test_invalid_dynamic_configuration_names_the_argument(kwargs, name):
   with pytest.raises(ValueError, match=name):
-    ols.DynamicLossScale(**kwargs)
+    ols.porting.DynamicLossScale(**kwargs)
   with pytest.raises(ValueError, match=name):
     ols.dynamic_loss_scale(optax.sgd(0.1), **kwargs)
 
 
 def test_invalid_value_is_in_message():
   with pytest.raises(ValueError, match=r"growth_interval.*-3"):
-    ols.DynamicLossScale(growth_interval=-3)
+    ols.porting.DynamicLossScale(growth_interval=-3)
   with pytest.raises(ValueError, match=r"backoff_factor.*1\.5"):
-    ols.DynamicLossScale(backoff_factor=1.5)
+    ols.porting.DynamicLossScale(backoff_factor=1.5)
 
 
 def test_traced_hyper_parameter_is_rejected():
   @jax.jit
   def f(x):
-    return ols.DynamicLossScale(initial_scale=x)
+    return ols.porting.DynamicLossScale(initial_scale=x)
 
   with pytest.raises(ValueError, match="initial_scale"):
     f(jnp.float32(4.0))
@@ -149,18 +149,18 @@ def test_traced_hyper_parameter_is_rejected():
 @pytest.mark.parametrize("scale", [0.0, -2.0, float("inf"), float("nan"), None])
 def test_invalid_static_scale(scale):
   with pytest.raises(ValueError, match="scale"):
-    ols.StaticLossScale(scale)
+    ols.porting.StaticLossScale(scale)
   with pytest.raises(ValueError, match="scale"):
     ols.static_loss_scale(optax.sgd(0.1), scale)
 
 
 def test_invalid_skip_nonfinite():
   with pytest.raises(ValueError, match="skip_nonfinite"):
-    ols.StaticLossScale(4.0, skip_nonfinite="yes")
+    ols.porting.StaticLossScale(4.0, skip_nonfinite="yes")
 
 
 def test_numpy_and_jax_concrete_numbers_are_accepted():
-  ls = ols.DynamicLossScale(np.float32(1024.0), growth_interval=np.int64(10))
+  ls = ols.porting.DynamicLossScale(np.float32(1024.0), growth_interval=np.int64(10))
   assert ls.config.initial_scale == 1024.0 and ls.config.growth_interval == 10
 
 
@@ -179,7 +179,7 @@ def _run(ls, pattern, jit=True):
 
 @pytest.mark.parametrize("jit", [False, True])
 def test_growth_happens_on_the_growth_interval_th_finite_step(jit):
-  ls = ols.DynamicLossScale(8.0, growth_interval=3)
+  ls = ols.porting.DynamicLossScale(8.0, growth_interval=3)
   ls, scales, applied = _run(ls, [True] * 7, jit)
   # Grows *at* step 3 and 6 (Keras/torch), not one step later (Flax).
   assert scales == [8, 8, 16, 16, 16, 32, 32]
@@ -188,7 +188,7 @@ def test_growth_happens_on_the_growth_interval_th_finite_step(jit):
 
 
 def test_backoff_resets_good_steps_and_counts_skips():
-  ls = ols.DynamicLossScale(8.0, growth_interval=3)
+  ls = ols.porting.DynamicLossScale(8.0, growth_interval=3)
   ls, scales, applied = _run(ls, [True, True, False, True, True, True, False, False])
   assert scales == [8, 8, 4, 4, 4, 8, 4, 2]
   assert applied == [True, True, False, True, True, True, False, False]
@@ -198,7 +198,7 @@ def test_backoff_resets_good_steps_and_counts_skips():
 
 
 def test_hysteresis_tolerates_h_minus_one_bad_steps_and_refills_on_growth():
-  ls = ols.DynamicLossScale(64.0, growth_interval=2, hysteresis=3)
+  ls = ols.porting.DynamicLossScale(64.0, growth_interval=2, hysteresis=3)
   pattern = [False, False, False, False, True, True, False, False, False]
   ls, scales, applied = _run(ls, pattern)
   assert scales == [64, 64, 32, 16, 16, 32, 32, 32, 16]
@@ -216,7 +216,7 @@ def test_extreme_scales_unscale_exactly():
 
 
 def test_clamps_never_zero_subnormal_nan_or_inf():
-  ls = ols.DynamicLossScale(
+  ls = ols.porting.DynamicLossScale(
     2.0**15,
     growth_interval=1,
     min_scale=2.0**-126,
@@ -233,7 +233,7 @@ def test_clamps_never_zero_subnormal_nan_or_inf():
 
 
 def test_default_clamps():
-  ls = ols.DynamicLossScale(growth_interval=1)
+  ls = ols.porting.DynamicLossScale(growth_interval=1)
   step = jax.jit(lambda s, f: s.adjust(f)[0])
   for _ in range(100):
     ls = step(ls, jnp.asarray(True))
@@ -245,7 +245,7 @@ def test_default_clamps():
 
 def test_counters_saturate():
   big = jnp.iinfo(jnp.int32).max
-  ls = ols.DynamicLossScale(4.0, min_scale=1.0)
+  ls = ols.porting.DynamicLossScale(4.0, min_scale=1.0)
   ls = ls.replace(
     ls.counters._replace(
       skipped_steps=jnp.asarray(big, jnp.int32),
@@ -257,7 +257,7 @@ def test_counters_saturate():
 
 
 def test_state_dtypes_are_explicit():
-  ls = ols.DynamicLossScale()
+  ls = ols.porting.DynamicLossScale()
   ls, _ = jax.jit(lambda s: s.adjust(jnp.asarray(False)))(ls)
   assert ls.loss_scale.dtype == jnp.float32 and ls.loss_scale.shape == ()
   for name in ("good_steps", "hysteresis_left", "skipped_steps", "consecutive_skips"):
@@ -265,7 +265,7 @@ def test_state_dtypes_are_explicit():
 
 
 def test_update_takes_unscaled_grads_and_returns_should_apply():
-  ls = ols.DynamicLossScale(16.0, growth_interval=2)
+  ls = ols.porting.DynamicLossScale(16.0, growth_interval=2)
   grads = ls.unscale({"w": jnp.array([32.0]), "n": None})
   ls2, ok = jax.jit(lambda s, g: s.update(g))(ls, grads)
   assert bool(ok) and int(ls2.good_steps) == 1
@@ -274,7 +274,7 @@ def test_update_takes_unscaled_grads_and_returns_should_apply():
 
 
 def test_scale_loss_is_float32_for_half_losses():
-  ls = ols.DynamicLossScale(2.0**15)
+  ls = ols.porting.DynamicLossScale(2.0**15)
   out = ls.scale_loss(jnp.float16(4.0))  # 131072 would be inf in float16
   assert out.dtype == jnp.float32 and float(out) == 131072.0
 
@@ -283,7 +283,7 @@ def test_scale_loss_is_float32_for_half_losses():
 
 
 def test_config_survives_jit_and_tree_map():
-  ls = ols.DynamicLossScale(
+  ls = ols.porting.DynamicLossScale(
     1024.0,
     growth_interval=7,
     growth_factor=3.0,
@@ -293,7 +293,7 @@ def test_config_survives_jit_and_tree_map():
     hysteresis=2,
   )
   out = jax.jit(lambda s: s)(ls)
-  assert type(out) is ols.DynamicLossScale and out.config == ls.config
+  assert type(out) is ols.porting.DynamicLossScale and out.config == ls.config
   out = jax.tree.map(lambda x: x, ls)
   assert out.config == ls.config
   leaves, treedef = jax.tree.flatten(ls)
@@ -320,7 +320,7 @@ def test_no_retrace_when_scale_changes():
     traces.append(1)
     return ls.update(ls.unscale(g))
 
-  ls = ols.DynamicLossScale(8.0, growth_interval=1)
+  ls = ols.porting.DynamicLossScale(8.0, growth_interval=1)
   for bad in [False, True, False, False, True]:
     g = jnp.array([jnp.nan if bad else 1.0])
     ls, _ = step(ls, g)
@@ -331,7 +331,7 @@ def test_no_retrace_when_scale_changes():
 
 
 def test_static_scale_never_changes_and_skips():
-  ls = ols.StaticLossScale(128.0)
+  ls = ols.porting.StaticLossScale(128.0)
   ls, scales, applied = _run(ls, [True, False, False, True])
   assert scales == [128.0] * 4
   assert applied == [True, False, False, True]
@@ -339,14 +339,14 @@ def test_static_scale_never_changes_and_skips():
 
 
 def test_static_without_skip_always_applies_like_fixed_loss_scale():
-  ls = ols.StaticLossScale(128.0, skip_nonfinite=False)
+  ls = ols.porting.StaticLossScale(128.0, skip_nonfinite=False)
   ls, scales, applied = _run(ls, [True, False, True])
   assert applied == [True, True, True]
   assert int(ls.skipped_steps) == 0
 
 
 def test_noop_does_nothing():
-  ls = ols.NoOpLossScale()
+  ls = ols.porting.NoOpLossScale()
   g = {"w": jnp.array([1.5, jnp.nan], jnp.bfloat16)}
   assert ls.unscale(g) is g
   assert float(ls()) == 1.0
@@ -386,12 +386,12 @@ def test_all_finite_with_empty_leaves():
 )
 def test_none_is_not_a_default(name):
   with pytest.raises(ValueError, match=name):
-    ols.DynamicLossScale(**{name: None})
+    ols.porting.DynamicLossScale(**{name: None})
 
 
 def test_replace_takes_a_state_or_the_five_counters():
-  ls = ols.DynamicLossScale(4.0)
-  other = ols.DynamicLossScale(8.0)
+  ls = ols.porting.DynamicLossScale(4.0)
+  other = ols.porting.DynamicLossScale(8.0)
   assert float(ls.replace(other.counters)()) == 8.0
   assert float(ls.replace(tuple(jax.tree.leaves(other)))()) == 8.0
   assert ls.replace(other.counters).config == ls.config
@@ -429,13 +429,15 @@ def test_leaves_that_are_not_arrays_are_refused_by_name(leaf):
 )
 def test_factors_and_scales_are_validated_as_float32(kwargs, name):
   with pytest.raises(ValueError, match=name):
-    ols.DynamicLossScale(**kwargs)
+    ols.porting.DynamicLossScale(**kwargs)
   with pytest.raises(ValueError, match=name):
     ols.dynamic_loss_scale(optax.sgd(1.0), **kwargs)
 
 
 def test_the_config_holds_the_float32_numbers_it_computes_with():
-  c = ols.DynamicLossScale(growth_factor=1 + 2.0**-20, backoff_factor=0.1).config
+  c = ols.porting.DynamicLossScale(
+    growth_factor=1 + 2.0**-20, backoff_factor=0.1
+  ).config
   assert c.growth_factor == float(np.float32(1 + 2.0**-20)) > 1
   assert c.backoff_factor == float(np.float32(0.1))
 

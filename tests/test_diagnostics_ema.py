@@ -117,7 +117,7 @@ def test_ema_params_matches_a_numpy_model(dtype):
   )
   for k in ref:
     np.testing.assert_allclose(np.asarray(ema[k]), ref[k], rtol=1e-6)
-  final = ols.finalize_variable_values(p, state)
+  final = ols.porting.finalize_variable_values(p, state)
   chex.assert_trees_all_equal_dtypes(final, params)
 
 

@@ -20,30 +20,34 @@ pytestmark = pytest.mark.standard_promotion  # optax's adam
 OPTIMIZERS = {
   "dynamic_loss_scale": lambda: ols.dynamic_loss_scale(optax.adam(1e-3)),
   "static_loss_scale": lambda: ols.static_loss_scale(optax.adam(1e-3), 8.0),
-  "with_loss_scale(NoOp)": lambda: ols.with_loss_scale(
-    optax.adam(1e-3), ols.NoOpLossScale()
+  "with_loss_scale(NoOp)": lambda: ols.porting.with_loss_scale(
+    optax.adam(1e-3), ols.porting.NoOpLossScale()
   ),
-  "enable_mixed_precision float16": lambda: ols.enable_mixed_precision(
+  "enable_mixed_precision float16": lambda: ols.porting.enable_mixed_precision(
     jnp.sum, optax.adam(1e-3), compute_dtype=jnp.float16
   )[1],
-  "enable_mixed_precision bfloat16": lambda: ols.enable_mixed_precision(
+  "enable_mixed_precision bfloat16": lambda: ols.porting.enable_mixed_precision(
     jnp.sum, optax.adam(1e-3), compute_dtype=jnp.bfloat16
   )[1],
   "ema_params in a chain": lambda: ols.dynamic_loss_scale(
     optax.chain(optax.sgd(0.1), ols.ema_params(0.9))
   ),
-  "LossScaleOptimizer": lambda: ols.LossScaleOptimizer("adam"),
-  "LossScaleOptimizer use_ema": lambda: ols.LossScaleOptimizer("adam", use_ema=True),
-  "LossScaleOptimizer use_ema overwrite": lambda: ols.LossScaleOptimizer(
+  "LossScaleOptimizer": lambda: ols.porting.LossScaleOptimizer("adam"),
+  "LossScaleOptimizer use_ema": lambda: ols.porting.LossScaleOptimizer(
+    "adam", use_ema=True
+  ),
+  "LossScaleOptimizer use_ema overwrite": lambda: ols.porting.LossScaleOptimizer(
     "sgd", use_ema=True, ema_overwrite_frequency=2
   ),
-  "LossScaleOptimizer accumulation, decay, clip": lambda: ols.LossScaleOptimizer(
-    "adamw", gradient_accumulation_steps=2, weight_decay=0.01, clipnorm=1.0
+  "LossScaleOptimizer accumulation, decay, clip": lambda: (
+    ols.porting.LossScaleOptimizer(
+      "adamw", gradient_accumulation_steps=2, weight_decay=0.01, clipnorm=1.0
+    )
   ),
-  "LossScaleOptimizer fixed, factor": lambda: ols.LossScaleOptimizer(
+  "LossScaleOptimizer fixed, factor": lambda: ols.porting.LossScaleOptimizer(
     "sgd", dynamic=False, initial_scale=4.0, loss_scale_factor=2.0
   ),
-  "ExperimentalLossScaleOptimizer": lambda: ols.ExperimentalLossScaleOptimizer(
+  "ExperimentalLossScaleOptimizer": lambda: ols.porting.ExperimentalLossScaleOptimizer(
     "sgd", "dynamic"
   ),
   "track_nonfinite": lambda: ols.dynamic_loss_scale(
@@ -65,7 +69,7 @@ OPTIMIZERS = {
   "master_weights remainder": lambda: ols.dynamic_loss_scale(
     ols.master_weights(optax.adamw(1e-3))
   ),
-  "LossScaleOptimizer master_weights": lambda: ols.LossScaleOptimizer(
+  "LossScaleOptimizer master_weights": lambda: ols.porting.LossScaleOptimizer(
     ols.master_weights(optax.inject_hyperparams(optax.sgd)(0.1), store="float32"),
     weight_decay=0.1,
   ),

@@ -108,7 +108,9 @@ def _nonzero_history(variables):
 TXS = {
   "dynamic": lambda: ols.dynamic_loss_scale(optax.adam(1e-2), initial_scale=SCALE),
   "static": lambda: ols.static_loss_scale(optax.adam(1e-2), SCALE),
-  "keras": lambda: ols.LossScaleOptimizer(optax.adam(1e-2), initial_scale=SCALE),
+  "keras": lambda: ols.porting.LossScaleOptimizer(
+    optax.adam(1e-2), initial_scale=SCALE
+  ),
 }
 
 
@@ -179,7 +181,7 @@ ACCUMULATING = {
   "multisteps_inside": lambda: ols.dynamic_loss_scale(
     optax.MultiSteps(optax.adam(1e-2), 2), initial_scale=SCALE
   ),
-  "keras": lambda: ols.LossScaleOptimizer(
+  "keras": lambda: ols.porting.LossScaleOptimizer(
     optax.adam(1e-2), initial_scale=SCALE, gradient_accumulation_steps=2
   ),
 }
@@ -218,7 +220,9 @@ def test_accumulation_takes_the_maximum_and_advances_the_history_once(name):
 
 
 def test_keras_facade_ema_and_unscaling_leave_overwrite_leaves_alone():
-  opt = ols.LossScaleOptimizer(optax.adam(1e-2), initial_scale=SCALE, use_ema=True)
+  opt = ols.porting.LossScaleOptimizer(
+    optax.adam(1e-2), initial_scale=SCALE, use_ema=True
+  )
   state, _ = _step(_create(opt), *_batch(1))
   state, grads = _step(state, *_batch(2))
   ema = ols.get_ema_params(state.opt_state)

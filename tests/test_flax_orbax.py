@@ -182,7 +182,7 @@ def test_flax_examples(name):
 
 def test_nnx_with_the_keras_facade_and_its_ema():
   model = _Nnx(nnx.Rngs(0))
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     "sgd", initial_scale=SCALE, use_ema=True, ema_momentum=0.5
   )
   optimizer = nnx.Optimizer(model, opt, wrt=nnx.Param)

@@ -38,7 +38,7 @@ def test_experimental_get_config_equalities(inner):
   else:
     shared = optax.sgd(0.01)
     sgd = lambda: shared
-  E, L = ols.ExperimentalLossScaleOptimizer, ols.LossScaleOptimizer
+  E, L = ols.porting.ExperimentalLossScaleOptimizer, ols.porting.LossScaleOptimizer
 
   opt1 = E(sgd(), loss_scale="dynamic")
   opt2 = L(sgd())
@@ -48,7 +48,9 @@ def test_experimental_get_config_equalities(inner):
   opt2 = L(sgd(), dynamic=False, initial_scale=123)
   assert opt1.get_config() == opt2.get_config()
 
-  loss_scale = ols.DynamicLossScale(initial_loss_scale=2048, increment_period=500)
+  loss_scale = ols.porting.DynamicLossScale(
+    initial_loss_scale=2048, increment_period=500
+  )
   opt1 = E(sgd(), loss_scale=loss_scale)
   opt2 = L(sgd(), initial_scale=2048, dynamic_growth_steps=500)
   assert opt1.get_config() == opt2.get_config()
@@ -58,17 +60,17 @@ def test_experimental_get_config_equalities(inner):
 
 
 def test_experimental_subclassing_and_attributes():
-  opt1 = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale="dynamic")
-  opt2 = ols.LossScaleOptimizer("sgd")
-  assert isinstance(opt1, ols.LossScaleOptimizer)
-  assert not isinstance(opt2, ols.ExperimentalLossScaleOptimizer)
+  opt1 = ols.porting.ExperimentalLossScaleOptimizer("sgd", loss_scale="dynamic")
+  opt2 = ols.porting.LossScaleOptimizer("sgd")
+  assert isinstance(opt1, ols.porting.LossScaleOptimizer)
+  assert not isinstance(opt2, ols.porting.ExperimentalLossScaleOptimizer)
   for opt in (opt1, opt2):
     assert isinstance(opt, optax.GradientTransformationExtraArgs)
     assert opt.dynamic is True
     assert opt.initial_scale == 2.0**15
     assert opt.dynamic_growth_steps == 2000
     assert opt.inner_optimizer.name == "sgd"  # Keras' formula, by name
-  fixed = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=123)
+  fixed = ols.porting.ExperimentalLossScaleOptimizer("sgd", loss_scale=123)
   assert fixed.dynamic is False
   assert fixed.initial_scale == 123.0
   assert fixed.dynamic_growth_steps is None  # as TF: None when not dynamic
@@ -78,7 +80,7 @@ def test_experimental_subclassing_and_attributes():
 
 
 def test_config_is_json_and_round_trips():
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     {"class_name": "adam", "config": {"learning_rate": 0.003, "beta_1": 0.8}},
     initial_scale=256,
     dynamic_growth_steps=7,
@@ -90,7 +92,7 @@ def test_config_is_json_and_round_trips():
     loss_scale_factor=4.0,
   )
   config = json.loads(json.dumps(opt.get_config()))
-  again = ols.LossScaleOptimizer.from_config(config)
+  again = ols.porting.LossScaleOptimizer.from_config(config)
   assert again.get_config() == opt.get_config()
   assert again.clipvalue == 0.5 and again.gradient_accumulation_steps == 2
 
@@ -106,9 +108,9 @@ def test_config_is_json_and_round_trips():
 
 
 def test_experimental_from_config_keeps_class():
-  opt = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=64)
+  opt = ols.porting.ExperimentalLossScaleOptimizer("sgd", loss_scale=64)
   again = type(opt).from_config(opt.get_config())
-  assert type(again) is ols.ExperimentalLossScaleOptimizer
+  assert type(again) is ols.porting.ExperimentalLossScaleOptimizer
   assert again.get_config() == opt.get_config()
 
 
@@ -122,57 +124,65 @@ def test_experimental_from_config_keeps_class():
     (float("inf"), "loss_scale"),
     (None, "loss_scale"),
     ([2.0], "loss_scale"),
-    (ols.DynamicLossScale(multiplier=4.0), "multiplier"),
-    (ols.DynamicLossScale(growth_factor=2.0, backoff_factor=0.25), "multiplier"),
-    (ols.NoOpLossScale(), "loss_scale"),
-    (ols.StaticLossScale(8.0), "skip_nonfinite=False"),
+    (ols.porting.DynamicLossScale(multiplier=4.0), "multiplier"),
+    (
+      ols.porting.DynamicLossScale(growth_factor=2.0, backoff_factor=0.25),
+      "multiplier",
+    ),
+    (ols.porting.NoOpLossScale(), "loss_scale"),
+    (ols.porting.StaticLossScale(8.0), "skip_nonfinite=False"),
   ],
 )
 def test_experimental_bad_loss_scale(loss_scale, match):
   with pytest.raises(ValueError, match=match):
-    ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=loss_scale)
+    ols.porting.ExperimentalLossScaleOptimizer("sgd", loss_scale=loss_scale)
 
 
 def test_experimental_accepts_tf_fixed_and_dynamic_objects():
-  opt = ols.ExperimentalLossScaleOptimizer(
-    "sgd", loss_scale=ols.StaticLossScale(32.0, skip_nonfinite=False)
+  opt = ols.porting.ExperimentalLossScaleOptimizer(
+    "sgd", loss_scale=ols.porting.StaticLossScale(32.0, skip_nonfinite=False)
   )
   assert (
     opt.get_config()
-    == ols.LossScaleOptimizer("sgd", dynamic=False, initial_scale=32).get_config()
+    == ols.porting.LossScaleOptimizer(
+      "sgd", dynamic=False, initial_scale=32
+    ).get_config()
   )
   # The core's hysteresis goes with an optax transformation only.
-  opt = ols.ExperimentalLossScaleOptimizer(
-    optax.sgd(0.1), loss_scale=ols.DynamicLossScale(multiplier=2.0, hysteresis=2)
+  opt = ols.porting.ExperimentalLossScaleOptimizer(
+    optax.sgd(0.1),
+    loss_scale=ols.porting.DynamicLossScale(multiplier=2.0, hysteresis=2),
   )
   assert opt.get_config()["hysteresis"] == 2
   # With a Keras name, the core's arguments build optax's optimizer.
-  opt = ols.ExperimentalLossScaleOptimizer(
-    "sgd", loss_scale=ols.DynamicLossScale(multiplier=2.0, hysteresis=2)
+  opt = ols.porting.ExperimentalLossScaleOptimizer(
+    "sgd", loss_scale=ols.porting.DynamicLossScale(multiplier=2.0, hysteresis=2)
   )
   assert opt.get_config()["hysteresis"] == 2
   assert isinstance(opt.inner_optimizer, optax.GradientTransformation)
   # TensorFlow's names alone: TensorFlow's rule, Keras' formula.
-  opt = ols.ExperimentalLossScaleOptimizer(
-    "sgd", loss_scale=ols.DynamicLossScale(initial_loss_scale=4.0)
+  opt = ols.porting.ExperimentalLossScaleOptimizer(
+    "sgd", loss_scale=ols.porting.DynamicLossScale(initial_loss_scale=4.0)
   )
-  assert opt.get_config() == ols.LossScaleOptimizer("sgd", 4.0).get_config()
+  assert opt.get_config() == ols.porting.LossScaleOptimizer("sgd", 4.0).get_config()
   assert opt.inner_optimizer.name == "sgd"
 
 
 def test_tf_names_on_dynamic_loss_scale():
-  ls = ols.DynamicLossScale(initial_loss_scale=64, increment_period=10, multiplier=4)
+  ls = ols.porting.DynamicLossScale(
+    initial_loss_scale=64, increment_period=10, multiplier=4
+  )
   assert (ls.initial_loss_scale, ls.increment_period, ls.multiplier) == (64.0, 10, 4.0)
   assert ls.config.backoff_factor == 0.25  # TF: backoff is 1 / multiplier
-  assert ols.DynamicLossScale.from_config(ls.get_config()).config == ls.config
+  assert ols.porting.DynamicLossScale.from_config(ls.get_config()).config == ls.config
   with pytest.raises(ValueError, match="initial_loss_scale"):
-    ols.DynamicLossScale(4.0, initial_loss_scale=8.0)
+    ols.porting.DynamicLossScale(4.0, initial_loss_scale=8.0)
   with pytest.raises(ValueError, match="increment_period"):
-    ols.DynamicLossScale(growth_interval=3, increment_period=4)
+    ols.porting.DynamicLossScale(growth_interval=3, increment_period=4)
   with pytest.raises(ValueError, match="multiplier"):
-    ols.DynamicLossScale(growth_factor=3.0, multiplier=2.0)
+    ols.porting.DynamicLossScale(growth_factor=3.0, multiplier=2.0)
   with pytest.raises(ValueError, match="multiplier"):
-    ols.DynamicLossScale(multiplier=1.0)
+    ols.porting.DynamicLossScale(multiplier=1.0)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +201,7 @@ def test_both_names_of_one_argument_is_an_error_whatever_the_values(kwargs):
     k for k in kwargs if k in ("initial_loss_scale", "increment_period", "multiplier")
   )
   with pytest.raises(ValueError, match=f"not both.*{tf_name}"):
-    ols.DynamicLossScale(**kwargs)
+    ols.porting.DynamicLossScale(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -222,7 +232,7 @@ def test_both_names_of_one_argument_is_an_error_whatever_the_values(kwargs):
 )
 def test_bad_keyword_arguments(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    ols.LossScaleOptimizer("sgd", **kwargs)
+    ols.porting.LossScaleOptimizer("sgd", **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -239,21 +249,21 @@ def test_bad_keyword_arguments(kwargs, match):
 )
 def test_bad_inner_optimizer(inner, match):
   if match is None:
-    ols.LossScaleOptimizer(inner)
-    ols.LossScaleOptimizer(optax.sgd(0.1), legacy_keras=False)
+    ols.porting.LossScaleOptimizer(inner)
+    ols.porting.LossScaleOptimizer(optax.sgd(0.1), legacy_keras=False)
     with pytest.raises(ValueError, match="legacy_keras.*Keras name"):
-      ols.LossScaleOptimizer(optax.sgd(0.1), legacy_keras=True)
+      ols.porting.LossScaleOptimizer(optax.sgd(0.1), legacy_keras=True)
     return
   with pytest.raises(ValueError, match=match):
-    ols.LossScaleOptimizer(inner)
+    ols.porting.LossScaleOptimizer(inner)
 
 
 def test_weight_decay_needs_a_learning_rate():
-  opt = ols.LossScaleOptimizer(optax.sgd(0.1), weight_decay=0.01)
+  opt = ols.porting.LossScaleOptimizer(optax.sgd(0.1), weight_decay=0.01)
   with pytest.raises(ValueError, match="inject_hyperparams"):
     opt.init(_params())
   # With an injected learning rate it works.
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), weight_decay=0.01
   )
   opt.init(_params())
@@ -265,7 +275,7 @@ def test_weight_decay_needs_a_learning_rate():
 
 
 def test_state_methods():
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     "sgd", initial_scale=8.0, dynamic_growth_steps=2, loss_scale_factor=4.0
   )
   params = _params()
@@ -281,7 +291,7 @@ def test_state_methods():
   f = lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"])
   grads = jax.grad(lambda p: opt.scale_loss(f(p), state))(params)
   unscaled = opt.get_unscaled_gradients(grads, state)
-  assert isinstance(unscaled, ols.UnscaledGradients)
+  assert isinstance(unscaled, ols.porting.UnscaledGradients)
   chex.assert_trees_all_close(unscaled.tree, jax.grad(f)(params), rtol=1e-6)
   updates, state = jax.jit(opt.update)(grads, state, params)
   # Keras' SGD: p - g * lr, as the new parameters minus the old.
@@ -296,7 +306,7 @@ def test_state_methods():
 
 
 def test_learning_rate_read_and_changed_under_jit():
-  opt = ols.LossScaleOptimizer("sgd", initial_scale=1.0)
+  opt = ols.porting.LossScaleOptimizer("sgd", initial_scale=1.0)
   params = _params()
   state = opt.init(params)
   assert float(opt.learning_rate(state)) == pytest.approx(0.01)
@@ -309,7 +319,7 @@ def test_learning_rate_read_and_changed_under_jit():
     new, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
   )
 
-  plain = ols.LossScaleOptimizer(optax.sgd(0.1))
+  plain = ols.porting.LossScaleOptimizer(optax.sgd(0.1))
   with pytest.raises(ValueError, match="inject_hyperparams"):
     plain.learning_rate(plain.init(params))
 
@@ -328,7 +338,7 @@ def test_learning_rate_read_and_changed_under_jit():
 )
 def test_clipping_sees_unscaled_gradients(kwargs, clip):
   scale = 2.0**12
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     {"class_name": "sgd", "config": {"learning_rate": 1.0}},
     initial_scale=scale,
     **kwargs,
@@ -345,7 +355,7 @@ def test_clipping_sees_unscaled_gradients(kwargs, clip):
 
 def test_global_clipnorm_sees_unscaled_gradients():
   scale = 2.0**12
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     {"class_name": "sgd", "config": {"learning_rate": 1.0}},
     initial_scale=scale,
     global_clipnorm=1.0,
@@ -431,7 +441,7 @@ def test_base_kwargs_match_keras(kwargs):
   grads_seq = _grad_sequence(7)
   expected = _keras_trace(keras, kwargs, grads_seq, params0, lr)
 
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     {"class_name": "sgd", "config": {"learning_rate": lr}},
     initial_scale=2.0**8,
     dynamic_growth_steps=3,
@@ -473,11 +483,11 @@ def test_copy_and_pickle_rebuild_from_the_config():
   import copy
   import pickle
 
-  opt = ols.ExperimentalLossScaleOptimizer(
-    "adam", loss_scale=ols.DynamicLossScale(64.0)
+  opt = ols.porting.ExperimentalLossScaleOptimizer(
+    "adam", loss_scale=ols.porting.DynamicLossScale(64.0)
   )
   for again in (copy.copy(opt), copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
-    assert type(again) is ols.ExperimentalLossScaleOptimizer
+    assert type(again) is ols.porting.ExperimentalLossScaleOptimizer
     assert again.get_config() == opt.get_config()
     assert float(again.loss_scale(again.init(_params()))) == 64.0
 
@@ -487,12 +497,12 @@ def test_copy_and_pickle_rebuild_from_the_config():
 )
 def test_loss_scale_factor_must_be_a_usable_scale(factor):
   with pytest.raises(ValueError, match="loss_scale_factor"):
-    ols.LossScaleOptimizer("sgd", loss_scale_factor=factor)
+    ols.porting.LossScaleOptimizer("sgd", loss_scale_factor=factor)
 
 
 def test_the_check_sees_the_gradients_divided_by_loss_scale_factor():
   """float16 40000 / 0.5 is inf in float16: skipped, never applied."""
-  opt = ols.LossScaleOptimizer("sgd", initial_scale=1.0, loss_scale_factor=0.5)
+  opt = ols.porting.LossScaleOptimizer("sgd", initial_scale=1.0, loss_scale_factor=0.5)
   params = {"w": jnp.ones(2, jnp.float16)}
   state = opt.init(params)
   grads = {"w": jnp.full(2, 40000.0, jnp.float16)}
@@ -518,32 +528,36 @@ def test_the_check_sees_the_gradients_divided_by_loss_scale_factor():
 def test_dynamic_only_arguments_with_a_fixed_scale_are_refused(kwargs):
   (name,) = kwargs
   with pytest.raises(ValueError, match=f"{name}=.*dynamic=False"):
-    ols.LossScaleOptimizer(optax.sgd(0.1), dynamic=False, initial_scale=8, **kwargs)
+    ols.porting.LossScaleOptimizer(
+      optax.sgd(0.1), dynamic=False, initial_scale=8, **kwargs
+    )
   with pytest.raises(ValueError, match="dynamic_growth_steps.*None"):
-    ols.LossScaleOptimizer(
+    ols.porting.LossScaleOptimizer(
       "sgd", dynamic=False, initial_scale=8, dynamic_growth_steps=9
     )
 
 
 def test_a_fixed_scale_accepts_the_defaults_it_reports():
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     "sgd", dynamic=False, initial_scale=8, dynamic_growth_steps=None
   )
-  again = ols.LossScaleOptimizer.from_config(opt.get_config())
+  again = ols.porting.LossScaleOptimizer.from_config(opt.get_config())
   assert again.get_config() == opt.get_config()
 
 
 @pytest.mark.parametrize("lr", [None, "0.1", -0.1, float("nan"), float("inf")])
 def test_a_learning_rate_that_is_not_a_number_is_refused(lr):
   with pytest.raises(ValueError, match="learning_rate"):
-    ols.LossScaleOptimizer({"class_name": "sgd", "config": {"learning_rate": lr}})
+    ols.porting.LossScaleOptimizer(
+      {"class_name": "sgd", "config": {"learning_rate": lr}}
+    )
 
 
 def test_mixing_the_idioms_never_divides_twice():
   params = {"w": jnp.ones(2)}
   scaled = {"w": jnp.full(2, 8.0 * 3)}
   sgd = {"class_name": "sgd", "config": {"learning_rate": 1.0}}
-  named = ols.LossScaleOptimizer(sgd, initial_scale=8.0)
+  named = ols.porting.LossScaleOptimizer(sgd, initial_scale=8.0)
   state = named.init(params)
   unscaled = named.get_unscaled_gradients(scaled, state)
   u1, _ = named.update(unscaled, state, params)  # taken as unscaled
@@ -552,7 +566,7 @@ def test_mixing_the_idioms_never_divides_twice():
   chex.assert_trees_all_equal(u1, u2, {"w": jnp.full(2, -3.0)})
   chex.assert_trees_all_equal(new, {"w": jnp.full(2, -2.0)})
 
-  plain = ols.LossScaleOptimizer(optax.sgd(1.0), initial_scale=8.0)
+  plain = ols.porting.LossScaleOptimizer(optax.sgd(1.0), initial_scale=8.0)
   state = plain.init(params)
   unscaled = plain.get_unscaled_gradients(scaled, state)
   with pytest.raises(ValueError, match="unscaled by get_unscaled_gradients"):
@@ -570,7 +584,7 @@ def test_get_unscaled_gradients_chooses_float32_leaf_by_leaf_as_update():
     {"master": ols.master_weights(optax.sgd(1.0)), "plain": optax.sgd(1.0)},
     {"a": "master", "b": "plain"},
   )
-  opt = ols.LossScaleOptimizer(inner, initial_scale=8.0)
+  opt = ols.porting.LossScaleOptimizer(inner, initial_scale=8.0)
   params = {"a": jnp.ones(2, jnp.bfloat16), "b": jnp.ones(2, jnp.bfloat16)}
   state = opt.init(params)
   grads = {"a": jnp.full(2, 24.0, jnp.bfloat16), "b": jnp.full(2, 40.0, jnp.bfloat16)}

@@ -217,19 +217,40 @@ def test_the_core_graph_has_no_cycle():
           assert floor(m) > floors[d], (m, d)
 
 
-def test_every_porting_name_is_reexported_at_the_top():
+#: The general helpers the porting package holds, exported at the top too.
+GENERAL = {
+  "EmaParamsState",
+  "ema_params",
+  "get_ema_params",
+  "get_learning_rate",
+  "set_learning_rate",
+}
+
+
+def test_the_tensorflow_names_are_the_porting_packages_and_the_old_ones_warn():
+  assert GENERAL <= set(porting.__all__)
   for name in porting.__all__:
-    assert getattr(ols, name) is getattr(porting, name), name
-    assert name in ols.__all__, name
+    if name in GENERAL:  # one namespace per audience: these are everyone's
+      assert getattr(ols, name) is getattr(porting, name), name
+      assert name in ols.__all__, name
+      continue
+    assert name not in ols.__all__, name
+    assert name not in vars(ols), name  # resolved only by the deprecation
+    with pytest.warns(DeprecationWarning, match=f"optax_lossscale.porting.{name}"):
+      assert getattr(ols, name) is getattr(porting, name), name
+  with pytest.warns(DeprecationWarning, match="porting.LossScaleOptimizer"):
+    from optax_lossscale import LossScaleOptimizer  # noqa: F401
+  with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+    ols.NoSuchName  # noqa: B018
 
 
 def test_a_loss_scale_object_is_found_by_the_state_search():
-  ls = ols.DynamicLossScale(initial_scale=8.0)
+  ls = ols.porting.DynamicLossScale(initial_scale=8.0)
   found = ols.find_loss_scale_state({"a": [ls]})
   assert type(found) is ols.LossScaleState
   assert float(found.loss_scale) == 8.0 == float(ols.get_scale(ls))
   with pytest.raises(ValueError, match="Found 2 loss-scale states"):
-    ols.get_scale([ls, ols.StaticLossScale(2.0)])
+    ols.get_scale([ls, ols.porting.StaticLossScale(2.0)])
 
 
 def test_the_development_page_names_every_module():

@@ -50,7 +50,7 @@ def _assert_same(ours, ref, step):
 def test_core_matches_reference(cfg, pattern):
   if not _valid(cfg):
     return
-  ours = ols.DynamicLossScale(**cfg)
+  ours = ols.porting.DynamicLossScale(**cfg)
   ref = ReferenceDynamicScale(**cfg)
   adjust = jax.jit(lambda ls, f: ls.adjust(f))
   for step, finite in enumerate(pattern):
@@ -73,7 +73,7 @@ def test_hysteresis_follows_megatron(cfg, pattern):
     growth_factor=2.0,
     backoff_factor=0.5,
   )
-  ours = ols.DynamicLossScale(**cfg)
+  ours = ols.porting.DynamicLossScale(**cfg)
   meg = MegatronDynamicGradScaler(
     cfg["initial_scale"],
     cfg["min_scale"],

@@ -203,9 +203,9 @@ def test_a_huge_block_has_the_codes_of_the_same_block_scaled_down(k, sign, sqrt)
 TRANSFORMATIONS = {
   "quantize_state": lambda: ols.quantize_state(optax.adam(1e-2), min_size=0),
   "master_weights": lambda: ols.master_weights(optax.adam(1e-2)),
-  "LossScaleOptimizer, Keras name": lambda: ols.LossScaleOptimizer("adam"),
-  "LossScaleOptimizer, optax": lambda: ols.LossScaleOptimizer(optax.adam(1e-2)),
-  "ExperimentalLossScaleOptimizer": lambda: ols.ExperimentalLossScaleOptimizer(
+  "LossScaleOptimizer, Keras name": lambda: ols.porting.LossScaleOptimizer("adam"),
+  "LossScaleOptimizer, optax": lambda: ols.porting.LossScaleOptimizer(optax.adam(1e-2)),
+  "ExperimentalLossScaleOptimizer": lambda: ols.porting.ExperimentalLossScaleOptimizer(
     "sgd", loss_scale=128
   ),
 }

@@ -32,12 +32,16 @@ SCALE = 2.0**15
 ENTRY_POINTS = {
   "dynamic_loss_scale": lambda tx: ols.dynamic_loss_scale(tx, initial_scale=SCALE),
   "static_loss_scale": lambda tx: ols.static_loss_scale(tx, SCALE),
-  "LossScaleOptimizer": lambda tx: ols.LossScaleOptimizer(tx, initial_scale=SCALE),
-  "ExperimentalLossScaleOptimizer": lambda tx: ols.ExperimentalLossScaleOptimizer(
-    tx, ols.DynamicLossScale(SCALE)
+  "LossScaleOptimizer": lambda tx: ols.porting.LossScaleOptimizer(
+    tx, initial_scale=SCALE
   ),
-  "with_loss_scale": lambda tx: ols.with_loss_scale(tx, ols.DynamicLossScale(SCALE)),
-  "enable_mixed_precision": lambda tx: ols.enable_mixed_precision(
+  "ExperimentalLossScaleOptimizer": lambda tx: (
+    ols.porting.ExperimentalLossScaleOptimizer(tx, ols.porting.DynamicLossScale(SCALE))
+  ),
+  "with_loss_scale": lambda tx: ols.porting.with_loss_scale(
+    tx, ols.porting.DynamicLossScale(SCALE)
+  ),
+  "enable_mixed_precision": lambda tx: ols.porting.enable_mixed_precision(
     lambda x: x, tx, compute_dtype=jnp.float16, initial_scale=SCALE
   )[1],
 }
@@ -85,7 +89,7 @@ def test_the_facades_unscaled_gradients_are_what_update_hands_on():
     (optax.sgd(1.0), F16),
     (ols.master_weights(optax.sgd(1.0), store="float32"), F32),
   ):
-    opt = ols.LossScaleOptimizer(inner, initial_scale=SCALE)
+    opt = ols.porting.LossScaleOptimizer(inner, initial_scale=SCALE)
     got = opt.get_unscaled_gradients(scaled, opt.init(params))["w"]
     assert got.dtype == dtype
     np.testing.assert_array_equal(got, np.float32(2.0**-30) if dtype == F32 else 0.0)
@@ -177,9 +181,11 @@ def test_the_facade_on_master_weights_is_its_float32_rule_bit_for_bit(
   grads = _gradients(p0.shape, steps, dtype)
   inner = lambda: optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)  # noqa: E731
   kwargs = dict(initial_scale=2.0**10, **FACADE[config])
-  opt = ols.LossScaleOptimizer(ols.master_weights(inner(), store=store), **kwargs)
+  opt = ols.porting.LossScaleOptimizer(
+    ols.master_weights(inner(), store=store), **kwargs
+  )
   params, state = _facade_run(opt, {"w": p0}, grads)
-  ref_opt = ols.LossScaleOptimizer(inner(), **kwargs)
+  ref_opt = ols.porting.LossScaleOptimizer(inner(), **kwargs)
   ref, ref_state = _facade_run(ref_opt, {"w": p0.astype(F32)}, grads.astype(F32))
   master = np.asarray(ols.get_master_weights(state, params)["w"])
   np.testing.assert_array_equal(
@@ -195,7 +201,7 @@ def test_the_facade_on_master_weights_is_its_float32_rule_bit_for_bit(
       np.asarray(ols.get_ema_params(ref_state)["w"]),
     )
   assert opt.inner_optimizer.store == store
-  rebuilt = ols.LossScaleOptimizer.from_config(opt.get_config())
+  rebuilt = ols.porting.LossScaleOptimizer.from_config(opt.get_config())
   again, _ = _facade_run(rebuilt, {"w": p0}, grads[:3])
   first, _ = _facade_run(opt, {"w": p0}, grads[:3])
   np.testing.assert_array_equal(np.asarray(again["w"]), np.asarray(first["w"]))
@@ -208,7 +214,7 @@ def test_the_decay_with_master_weights_is_the_keras_rule():
   params = {"w": jnp.ones(4, BF16)}
   sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
   zero = jnp.zeros((100, 4), BF16)
-  opt = ols.LossScaleOptimizer(ols.master_weights(sgd), weight_decay=0.1)
+  opt = ols.porting.LossScaleOptimizer(ols.master_weights(sgd), weight_decay=0.1)
   params, state = _facade_run(opt, params, zero)
   master = ols.get_master_weights(state, params)["w"]
   np.testing.assert_allclose(master, 0.999**100, rtol=1e-5)
@@ -216,7 +222,7 @@ def test_the_decay_with_master_weights_is_the_keras_rule():
   # The control: on bfloat16 parameters without master weights, every
   # decay step (1e-3 of a weight near 1) is below half a unit: nothing moves.
   plain, _ = _facade_run(
-    ols.LossScaleOptimizer(
+    ols.porting.LossScaleOptimizer(
       optax.inject_hyperparams(optax.sgd)(learning_rate=0.01), weight_decay=0.1
     ),
     {"w": jnp.ones(4, BF16)},
@@ -241,7 +247,7 @@ def test_decay_or_ema_after_a_rounding_is_refused_saying_how_to_compose(
   rounding, after
 ):
   sgd = optax.inject_hyperparams(optax.sgd)(learning_rate=0.01)
-  opt = ols.LossScaleOptimizer(optax.chain(sgd, ROUNDINGS[rounding]()), **after)
+  opt = ols.porting.LossScaleOptimizer(optax.chain(sgd, ROUNDINGS[rounding]()), **after)
   with pytest.raises(ValueError) as e:
     opt.init({"w": jnp.ones(4, BF16)})
   message = str(e.value)
@@ -257,7 +263,7 @@ def test_clipping_and_accumulation_come_before_a_rounding(rounding):
   # learning rate: optax before 0.2.6 infers bfloat16 from the parameters.)
   inject = optax.inject_hyperparams(optax.sgd, hyperparam_dtype=jnp.float32)
   sgd = inject(learning_rate=0.01)
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     optax.chain(sgd, ROUNDINGS[rounding]()),
     initial_scale=1.0,
     clipvalue=0.5,

@@ -43,7 +43,7 @@ ENTRY_POINTS = [
   ("static", lambda inner: ols.static_loss_scale(inner, 8.0), 8.0),
   (
     "with_loss_scale",
-    lambda inner: ols.with_loss_scale(inner, ols.DynamicLossScale()),
+    lambda inner: ols.porting.with_loss_scale(inner, ols.porting.DynamicLossScale()),
     1.0,
   ),
 ]
@@ -140,9 +140,9 @@ def test_the_check_reads_the_unscaled_gradients_only_when_scales_can_be_below_1(
 @pytest.mark.parametrize(
   "make, into",
   [
-    (lambda: ols.DynamicLossScale(), 1.0),
-    (lambda: ols.DynamicLossScale(min_scale=4.0), 4.0),
-    (lambda: ols.StaticLossScale(8.0), 8.0),
+    (lambda: ols.porting.DynamicLossScale(), 1.0),
+    (lambda: ols.porting.DynamicLossScale(min_scale=4.0), 4.0),
+    (lambda: ols.porting.StaticLossScale(8.0), 8.0),
   ],
   ids=["dynamic", "dynamic min_scale=4", "static"],
 )

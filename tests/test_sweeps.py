@@ -58,7 +58,7 @@ ARGUMENTS = [
     (
       f"LossScaleOptimizer {a}",
       a,
-      lambda v, a=a: ols.LossScaleOptimizer("sgd", **{a: v}),
+      lambda v, a=a: ols.porting.LossScaleOptimizer("sgd", **{a: v}),
     )
     for a in (
       "initial_scale",
@@ -123,14 +123,16 @@ def test_a_value_is_refused_by_name_or_trains_finitely(name, arg, build, value):
 WRAPPERS = {
   "dynamic_loss_scale": lambda inner: ols.dynamic_loss_scale(inner, initial_scale=8.0),
   "static_loss_scale": lambda inner: ols.static_loss_scale(inner, 8.0),
-  "with_loss_scale(NoOp)": lambda inner: ols.with_loss_scale(
-    inner, ols.NoOpLossScale()
+  "with_loss_scale(NoOp)": lambda inner: ols.porting.with_loss_scale(
+    inner, ols.porting.NoOpLossScale()
   ),
-  "LossScaleOptimizer": lambda inner: ols.LossScaleOptimizer(inner, initial_scale=8.0),
-  "LossScaleOptimizer fixed": lambda inner: ols.LossScaleOptimizer(
+  "LossScaleOptimizer": lambda inner: ols.porting.LossScaleOptimizer(
+    inner, initial_scale=8.0
+  ),
+  "LossScaleOptimizer fixed": lambda inner: ols.porting.LossScaleOptimizer(
     inner, dynamic=False, initial_scale=8.0
   ),
-  "enable_mixed_precision": lambda inner: ols.enable_mixed_precision(
+  "enable_mixed_precision": lambda inner: ols.porting.enable_mixed_precision(
     jnp.sum, inner, compute_dtype=jnp.float16, initial_scale=8.0
   )[1],
 }
@@ -216,10 +218,10 @@ def test_leaves_that_are_not_arrays_are_refused_by_every_wrapper(wrapper, kind):
 MISTAKES = [
   lambda: ols.dynamic_loss_scale(optax.sgd(1.0), backoff_factor=1 - 1e-9),
   lambda: ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=0.0),
-  lambda: ols.DynamicLossScale(initial_scale=1.0, initial_loss_scale=2.0),
-  lambda: ols.LossScaleOptimizer("sgd", dynamic=False, hysteresis=3),
-  lambda: ols.LossScaleOptimizer("nope"),
-  lambda: ols.LossScaleOptimizer(
+  lambda: ols.porting.DynamicLossScale(initial_scale=1.0, initial_loss_scale=2.0),
+  lambda: ols.porting.LossScaleOptimizer("sgd", dynamic=False, hysteresis=3),
+  lambda: ols.porting.LossScaleOptimizer("nope"),
+  lambda: ols.porting.LossScaleOptimizer(
     {"class_name": "sgd", "config": {"learning_rate": None}}
   ),
   lambda: ols.dynamic_loss_scale(ols.dynamic_loss_scale(optax.sgd(1.0))).init(

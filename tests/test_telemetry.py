@@ -238,7 +238,7 @@ def test_check_skipped_steps_names_the_leaves():
 @standard_promotion
 def test_the_keras_facade_records_what_its_check_read():
   """A float16 gradient finite as scaled, infinite once divided by the factor."""
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     "sgd",
     initial_scale=1.0,
     min_scale=2.0**-4,
@@ -246,7 +246,7 @@ def test_the_keras_facade_records_what_its_check_read():
     track_nonfinite=True,
   )
   assert opt.get_config()["track_nonfinite"] is True
-  assert ols.LossScaleOptimizer.from_config(opt.get_config()).track_nonfinite
+  assert ols.porting.LossScaleOptimizer.from_config(opt.get_config()).track_nonfinite
   params = {"a": jnp.ones(2, jnp.float16), "b": jnp.ones(2, jnp.float16)}
   state = opt.init(params)
   update = jax.jit(opt.update)
@@ -262,7 +262,9 @@ def test_the_keras_facade_records_what_its_check_read():
 
 
 def test_noop_loss_scale_records_what_it_applies():
-  tx = ols.with_loss_scale(optax.sgd(0.1), ols.NoOpLossScale(), track_nonfinite=True)
+  tx = ols.porting.with_loss_scale(
+    optax.sgd(0.1), ols.porting.NoOpLossScale(), track_nonfinite=True
+  )
   state = _run(tx, [(_grads(), 1.0), (_grads(head__1=NAN), NAN)])
   report = ols.nonfinite_report(state)
   assert report.nonfinite_steps == 1 and report.loss_steps == 1
@@ -401,8 +403,8 @@ def test_float8_meta_overwrite_values_are_classified():
     "w": jnp.full(2, 4.0),
     "_overwrite_with_gradient": {"amax": meta(jnp.array([1.0, jnp.inf, 3.0]))},
   }
-  for loss_scale in (ols.DynamicLossScale(4.0), ols.NoOpLossScale()):
-    tx = ols.with_loss_scale(optax.sgd(1.0), loss_scale, track_nonfinite=True)
+  for loss_scale in (ols.porting.DynamicLossScale(4.0), ols.porting.NoOpLossScale()):
+    tx = ols.porting.with_loss_scale(optax.sgd(1.0), loss_scale, track_nonfinite=True)
     report = ols.nonfinite_report(_run(tx, [(grads, None)], params))
     assert [(leaf.path, leaf.last) for leaf in report.leaves] == [
       ("_overwrite_with_gradient/amax", "inf")
@@ -410,7 +412,7 @@ def test_float8_meta_overwrite_values_are_classified():
 
 
 def test_enable_mixed_precision_keeps_the_record_in_bfloat16_too():
-  fast, tx = ols.enable_mixed_precision(
+  fast, tx = ols.porting.enable_mixed_precision(
     lambda p: jnp.sum(p["w"]),
     optax.sgd(0.1),
     compute_dtype=jnp.bfloat16,
@@ -419,7 +421,7 @@ def test_enable_mixed_precision_keeps_the_record_in_bfloat16_too():
   state = _run(tx, [({"w": jnp.array([jnp.nan, 1.0])}, None)], {"w": jnp.ones(2)})
   assert ols.nonfinite_report(state).leaves[0].path == "w"
   with pytest.raises(ValueError, match=r"\['initial_scale'\] given, but bfloat16"):
-    ols.enable_mixed_precision(
+    ols.porting.enable_mixed_precision(
       lambda p: p, optax.sgd(0.1), compute_dtype=jnp.bfloat16, initial_scale=2.0
     )
 

@@ -240,7 +240,7 @@ V1_DYNAMIC = [
 def test_v1_dynamic_loss_scale(kwargs):
   v1 = tf.compat.v1.mixed_precision
   theirs = v1.DynamicLossScale(**kwargs)
-  ours = ols.DynamicLossScale(**kwargs)
+  ours = ols.porting.DynamicLossScale(**kwargs)
   assert float(ours()) == float(theirs())
   rng = np.random.default_rng(3)
   pattern = rng.random(120) < 0.8
@@ -252,7 +252,9 @@ def test_v1_dynamic_loss_scale(kwargs):
     assert float(ours()) == float(theirs()), step
     assert int(ours.good_steps) == int(theirs._num_good_steps.numpy()), step
   # Configs both ways.
-  assert ols.DynamicLossScale.from_config(theirs.get_config()).config == ours.config
+  assert (
+    ols.porting.DynamicLossScale.from_config(theirs.get_config()).config == ours.config
+  )
   again = v1.DynamicLossScale.from_config(ours.get_config())
   assert again.get_config() == theirs.get_config()
 
@@ -261,7 +263,7 @@ def test_v1_fixed_loss_scale_below_1():
   """TensorFlow refuses a fixed scale below 1; StaticLossScale takes it."""
   with pytest.raises(ValueError, match="at least 1"):
     tf.compat.v1.mixed_precision.FixedLossScale(2.0**-10)
-  ls = ols.StaticLossScale.from_config({"loss_scale_value": 2.0**-10})
+  ls = ols.porting.StaticLossScale.from_config({"loss_scale_value": 2.0**-10})
   assert float(ls()) == 2.0**-10
 
 
@@ -269,7 +271,7 @@ def test_v1_fixed_loss_scale_below_1():
 def test_v1_fixed_loss_scale(value):
   v1 = tf.compat.v1.mixed_precision
   theirs = v1.FixedLossScale(value)
-  ours = ols.StaticLossScale.from_config(theirs.get_config())
+  ours = ols.porting.StaticLossScale.from_config(theirs.get_config())
   assert float(ours()) == float(theirs())
   for g in ([np.float32(np.inf)], [np.float32(1.0)]):
     _, their_apply = theirs.update([tf.constant(x) for x in g])
@@ -290,20 +292,20 @@ def test_from_config_reads_tensorflows_configs():
   lso = tf_keras.mixed_precision.LossScaleOptimizer(
     sgd, initial_scale=64.0, dynamic_growth_steps=7
   )
-  opt = ols.LossScaleOptimizer.from_config(lso.get_config())
+  opt = ols.porting.LossScaleOptimizer.from_config(lso.get_config())
   assert (opt.initial_scale, opt.dynamic_growth_steps) == (64.0, 7)
   assert dict(opt.inner_optimizer.hyper)["momentum"] == 0.25
 
   k3 = keras.optimizers.LossScaleOptimizer(
     keras.optimizers.Adam(learning_rate=0.01, clipnorm=0.5), initial_scale=8.0
   )
-  opt = ols.LossScaleOptimizer.from_config(k3.get_config())
+  opt = ols.porting.LossScaleOptimizer.from_config(k3.get_config())
   assert (opt.initial_scale, opt.clipnorm) == (8.0, 0.5)
 
   fixed = tf_keras.mixed_precision.LossScaleOptimizer(
     tf_keras.optimizers.SGD(), dynamic=False, initial_scale=123
   )
-  opt = ols.LossScaleOptimizer.from_config(fixed.get_config())
+  opt = ols.porting.LossScaleOptimizer.from_config(fixed.get_config())
   assert (opt.dynamic, opt.initial_scale, opt.dynamic_growth_steps) == (
     False,
     123,
@@ -328,7 +330,7 @@ def test_from_config_reads_tensorflows_configs():
       },
       "loss_scale": loss_scale,
     }
-    assert ols.LossScaleOptimizer.from_config(config).dynamic is expected
+    assert ols.porting.LossScaleOptimizer.from_config(config).dynamic is expected
   bad = {"class_name": "DynamicLossScale", "config": {"multiplier": 4.0}}
   with pytest.raises(ValueError, match="multiplier"):
-    ols.LossScaleOptimizer.from_config({"optimizer": "sgd", "loss_scale": bad})
+    ols.porting.LossScaleOptimizer.from_config({"optimizer": "sgd", "loss_scale": bad})

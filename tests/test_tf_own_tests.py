@@ -49,7 +49,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 
 def test_fixed_basic():
-  ls = ols.StaticLossScale.from_config({"loss_scale_value": 1000})
+  ls = ols.porting.StaticLossScale.from_config({"loss_scale_value": 1000})
   for grad in (0.0, float("nan")):
     ls, should_apply = ls.update([jnp.float32(grad)])
     assert bool(should_apply)
@@ -57,8 +57,8 @@ def test_fixed_basic():
 
 
 def test_fixed_serialization_and_call_type():
-  ls = ols.StaticLossScale.from_config({"loss_scale_value": 123})
-  ls = ols.StaticLossScale.from_config(ls.get_config())
+  ls = ols.porting.StaticLossScale.from_config({"loss_scale_value": 123})
+  ls = ols.porting.StaticLossScale.from_config(ls.get_config())
   assert float(ls()) == 123.0
   assert isinstance(ls(), jax.Array)
 
@@ -118,7 +118,7 @@ DYNAMIC_CASES = {
 @pytest.mark.parametrize("replicas", [1, 2], ids=["base", "distribute"])
 def test_dynamic(case, replicas):
   inputs, expected, initial, period, multiplier = DYNAMIC_CASES[case]
-  ls = ols.DynamicLossScale(
+  ls = ols.porting.DynamicLossScale(
     initial_loss_scale=initial, increment_period=period, multiplier=multiplier
   )
 
@@ -144,7 +144,7 @@ def test_dynamic(case, replicas):
 
 
 def test_dynamic_single_tensor_gradient_none_gradients_and_call_type():
-  ls = ols.DynamicLossScale()
+  ls = ols.porting.DynamicLossScale()
   _, should_apply = ls.update(jnp.float32(4.0))
   assert bool(should_apply)
   ls.update([None])
@@ -152,8 +152,10 @@ def test_dynamic_single_tensor_gradient_none_gradients_and_call_type():
 
 
 def test_dynamic_serialization():
-  ls = ols.DynamicLossScale(initial_loss_scale=1, increment_period=2, multiplier=3)
-  ls = ols.DynamicLossScale.from_config(ls.get_config())
+  ls = ols.porting.DynamicLossScale(
+    initial_loss_scale=1, increment_period=2, multiplier=3
+  )
+  ls = ols.porting.DynamicLossScale.from_config(ls.get_config())
   assert float(ls()) == 1
   assert ls.increment_period == 2
   assert ls.multiplier == 3
@@ -177,7 +179,7 @@ def _sgd(lr, **kwargs):
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_fixed_loss_scale_applied_to_loss_with_minimize(legacy):
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     _sgd(2.0), dynamic=False, initial_scale=10.0, legacy_keras=legacy
   )
   var = jnp.array([5.0])
@@ -191,14 +193,14 @@ def test_fixed_loss_scale_applied_to_loss_with_minimize(legacy):
 
 
 def test_dynamic_attrs_with_fixed_loss_scale():
-  opt = ols.LossScaleOptimizer(_sgd(0.01), dynamic=False, initial_scale=2.0)
+  opt = ols.porting.LossScaleOptimizer(_sgd(0.01), dynamic=False, initial_scale=2.0)
   assert opt.dynamic is False
   assert opt.dynamic_counter(opt.init(jnp.zeros(1))) is None
   assert opt.dynamic_growth_steps is None
 
 
 def test_get_scaled_loss_and_unscaled_gradients():
-  opt = ols.LossScaleOptimizer(_sgd(0.01), dynamic=False, initial_scale=2.0)
+  opt = ols.porting.LossScaleOptimizer(_sgd(0.01), dynamic=False, initial_scale=2.0)
   state = opt.init(jnp.zeros(1))
   for dtype in (jnp.float32, jnp.float16):
     loss = jnp.asarray(5.0, dtype)
@@ -211,7 +213,7 @@ def test_get_scaled_loss_and_unscaled_gradients():
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_dynamic_loss_scale(legacy):
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     _sgd(2.0), initial_scale=2, dynamic_growth_steps=1, legacy_keras=legacy
   )
   assert opt.initial_scale == 2.0 and isinstance(opt.initial_scale, float)
@@ -226,7 +228,7 @@ def test_dynamic_loss_scale(legacy):
 
 
 def test_dynamic_loss_scale_default_values():
-  opt = ols.LossScaleOptimizer(_sgd(0.01))
+  opt = ols.porting.LossScaleOptimizer(_sgd(0.01))
   assert opt.initial_scale == 2**15
   assert opt.dynamic_growth_steps == 2000
   assert float(opt.loss_scale(opt.init(jnp.zeros(1)))) == 2**15
@@ -235,7 +237,7 @@ def test_dynamic_loss_scale_default_values():
 @pytest.mark.parametrize("clip_type", ["clipnorm", "global_clipnorm", "clipvalue"])
 @pytest.mark.parametrize("legacy", [False, True])
 def test_clipping(clip_type, legacy):
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     _sgd(2.0, **{clip_type: 2.0}),
     initial_scale=2,
     dynamic_growth_steps=1,
@@ -253,7 +255,7 @@ def test_clipping(clip_type, legacy):
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_dynamic_update(legacy):
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     _sgd(1.0), initial_scale=2, dynamic_growth_steps=1, legacy_keras=legacy
   )
   var = jnp.array([1.0, 2.0])
@@ -267,7 +269,9 @@ def test_dynamic_update(legacy):
 
 
 def test_dynamic_loss_scale_with_float16_loss():
-  opt = ols.LossScaleOptimizer(_sgd(2.0), initial_scale=2, dynamic_growth_steps=1)
+  opt = ols.porting.LossScaleOptimizer(
+    _sgd(2.0), initial_scale=2, dynamic_growth_steps=1
+  )
   var = jnp.array([5.0])
   state = opt.init(var)
   var, state = _minimize(opt, state, var, lambda v: v.astype(jnp.float16))
@@ -275,7 +279,7 @@ def test_dynamic_loss_scale_with_float16_loss():
 
 
 def test_nan_on_one_replica_only():
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     _sgd(1.0), initial_scale=2, dynamic_growth_steps=2, axis_name="replica"
   )
   var = jnp.array([1.0, 2.0])
@@ -289,7 +293,7 @@ def test_nan_on_one_replica_only():
 
 @pytest.mark.parametrize("legacy", [False, True])
 def test_dynamic_loss_scale_with_slots(legacy):
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     _sgd(1.0, momentum=1.0), initial_scale=2.0, dynamic_growth_steps=1,
     legacy_keras=legacy,
   )  # fmt: skip
@@ -307,7 +311,7 @@ def test_dynamic_loss_scale_with_slots(legacy):
 @pytest.mark.parametrize("legacy, after_nan", [(True, 2), (False, 1)])
 def test_iterations_incremented(legacy, after_nan):
   """tf_keras counts a skipped step in ``iterations``; Keras 3 does not."""
-  opt = ols.LossScaleOptimizer(_sgd(1.0), legacy_keras=legacy)
+  opt = ols.porting.LossScaleOptimizer(_sgd(1.0), legacy_keras=legacy)
   var = jnp.array([5.0])
   state = opt.init(var)
   var, state = _minimize(opt, state, var, lambda v: v * 2.0)
@@ -317,7 +321,7 @@ def test_iterations_incremented(legacy, after_nan):
 
 
 def test_hyper_parameters_exposed():
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     {"class_name": "Adam", "config": {"learning_rate": 1.0, "beta_1": 0.5}},
     use_ema=True,
     ema_momentum=0.88,
@@ -347,8 +351,8 @@ def _keras_apply(opt, grads, steps=1):
 
 def test_keras_config():
   inner = _sgd(0.5, momentum=0.06, nesterov=True, weight_decay=0.004)
-  opt = ols.LossScaleOptimizer(inner)
-  again = ols.LossScaleOptimizer.from_config(opt.get_config())
+  opt = ols.porting.LossScaleOptimizer(inner)
+  again = ols.porting.LossScaleOptimizer.from_config(opt.get_config())
   assert again.get_config() == opt.get_config()
 
 
@@ -356,28 +360,30 @@ def test_keras_config():
 def test_keras_finite_step(inner_factor):
   """Also with a loss_scale_factor on the inner optimizer, which Keras ignores."""
   config = {} if inner_factor is None else {"loss_scale_factor": inner_factor}
-  opt = ols.LossScaleOptimizer(_sgd(0.5, **config))
+  opt = ols.porting.LossScaleOptimizer(_sgd(0.5, **config))
   var, _ = _keras_apply(opt, KERAS_GRADS * opt.initial_scale)
   np.testing.assert_allclose(var, [0.5, -1.0, -0.5, 3.0], rtol=1e-4, atol=1e-4)
 
 
 def test_keras_infinite_step():
-  opt = ols.LossScaleOptimizer(_sgd(0.5))
+  opt = ols.porting.LossScaleOptimizer(_sgd(0.5))
   var, _ = _keras_apply(opt, np.full(4, np.inf, np.float32))
   np.testing.assert_allclose(var, KERAS_VARS)
 
 
 def test_keras_downscaling_and_upscaling():
-  opt = ols.LossScaleOptimizer(_sgd(0.5), initial_scale=400.0)
+  opt = ols.porting.LossScaleOptimizer(_sgd(0.5), initial_scale=400.0)
   _, state = _keras_apply(opt, np.full(4, np.inf, np.float32), steps=4)
   np.testing.assert_allclose(opt.scale_loss(1.0, state), 25.0)
-  opt = ols.LossScaleOptimizer(_sgd(0.5), initial_scale=2.0, dynamic_growth_steps=2)
+  opt = ols.porting.LossScaleOptimizer(
+    _sgd(0.5), initial_scale=2.0, dynamic_growth_steps=2
+  )
   _, state = _keras_apply(opt, KERAS_GRADS, steps=8)
   np.testing.assert_allclose(opt.scale_loss(1.0, state), 32.0)
 
 
 def test_keras_iterations_update():
-  opt = ols.LossScaleOptimizer(_sgd(0.5))
+  opt = ols.porting.LossScaleOptimizer(_sgd(0.5))
   var = jnp.asarray(KERAS_VARS)
   state = opt.init(var)
   assert int(opt.iterations(state)) == 0
@@ -399,7 +405,7 @@ def test_keras_serialization_and_backwards_compatibility():
     "initial_scale": 3.0,
     "dynamic_growth_steps": 2,
   }
-  opt = ols.LossScaleOptimizer.from_config(config)
+  opt = ols.porting.LossScaleOptimizer.from_config(config)
   assert (opt.initial_scale, opt.dynamic_growth_steps) == (3.0, 2)
   # The form that still carries every base argument at its default.
   base = dict.fromkeys(
@@ -411,15 +417,15 @@ def test_keras_serialization_and_backwards_compatibility():
     **config["inner_optimizer"],
     "config": {"name": "SGD", "learning_rate": 0.5, "momentum": 0.0, **base},
   }
-  assert ols.LossScaleOptimizer.from_config(old).initial_scale == 2.0
+  assert ols.porting.LossScaleOptimizer.from_config(old).initial_scale == 2.0
 
 
 def test_keras_unsupported_and_dynamic_args():
   with pytest.raises(TypeError, match="foo"):
-    ols.LossScaleOptimizer(_sgd(0.5), foo=True, bar=3)
-  ols.LossScaleOptimizer(_sgd(0.5), dynamic=True)
+    ols.porting.LossScaleOptimizer(_sgd(0.5), foo=True, bar=3)
+  ols.porting.LossScaleOptimizer(_sgd(0.5), dynamic=True)
   with pytest.raises(ValueError, match="initial_scale"):
-    ols.LossScaleOptimizer(_sgd(0.5), dynamic=False)
+    ols.porting.LossScaleOptimizer(_sgd(0.5), dynamic=False)
 
 
 @pytest.mark.parametrize(
@@ -434,8 +440,8 @@ def test_keras_unsupported_and_dynamic_args():
   ],
 )
 def test_base_arguments_on_either_optimizer_give_the_same_numbers(name, value):
-  outer = ols.LossScaleOptimizer(_sgd(0.5), initial_scale=4.0, **{name: value})
-  inner = ols.LossScaleOptimizer(_sgd(0.5, **{name: value}), initial_scale=4.0)
+  outer = ols.porting.LossScaleOptimizer(_sgd(0.5), initial_scale=4.0, **{name: value})
+  inner = ols.porting.LossScaleOptimizer(_sgd(0.5, **{name: value}), initial_scale=4.0)
   assert outer.get_config() == inner.get_config()
   a, _ = _keras_apply(outer, KERAS_GRADS * 4, steps=2)
   b, _ = _keras_apply(inner, KERAS_GRADS * 4, steps=2)

@@ -236,7 +236,7 @@ def test_static_loss_scale_without_skipping_applies_everything():
 def test_noop_loss_scale_is_the_inner_optimizer():
   params = _params()
   inner = optax.adam(1e-3)
-  tx = ols.with_loss_scale(inner, ols.NoOpLossScale())
+  tx = ols.porting.with_loss_scale(inner, ols.porting.NoOpLossScale())
   grads = _scaled_grads(params, 1.0)
   u, state = jax.jit(tx.update)(grads, tx.init(params), params)
   ref, _ = inner.update(grads, inner.init(params), params)
@@ -302,18 +302,18 @@ def test_get_scale_errors():
     lambda: ols.dynamic_loss_scale(
       optax.MultiSteps(ols.dynamic_loss_scale(optax.sgd(0.1)), 2)
     ),
-    lambda: ols.LossScaleOptimizer(ols.dynamic_loss_scale(optax.sgd(0.1))),
-    lambda: ols.dynamic_loss_scale(ols.LossScaleOptimizer("sgd")),
-    lambda: ols.enable_mixed_precision(
+    lambda: ols.porting.LossScaleOptimizer(ols.dynamic_loss_scale(optax.sgd(0.1))),
+    lambda: ols.dynamic_loss_scale(ols.porting.LossScaleOptimizer("sgd")),
+    lambda: ols.porting.enable_mixed_precision(
       jnp.sum, ols.dynamic_loss_scale(optax.sgd(0.1)), compute_dtype=jnp.float16
     )[1],
-    lambda: ols.enable_mixed_precision(
+    lambda: ols.porting.enable_mixed_precision(
       jnp.sum, ols.dynamic_loss_scale(optax.sgd(0.1)), compute_dtype=jnp.bfloat16
     )[1],
     # A NoOpLossScale unscales nothing, but two scales still leave get_scale
     # unable to choose.
     lambda: ols.dynamic_loss_scale(
-      ols.with_loss_scale(optax.sgd(0.1), ols.NoOpLossScale())
+      ols.porting.with_loss_scale(optax.sgd(0.1), ols.porting.NoOpLossScale())
     ),
   ],
 )
@@ -347,7 +347,7 @@ def test_value_and_grad_with_the_arguments_swapped_says_what_goes_first():
 
 
 def test_get_scale_of_a_core_object():
-  assert float(ols.get_scale(ols.DynamicLossScale(64.0))) == 64.0
+  assert float(ols.get_scale(ols.porting.DynamicLossScale(64.0))) == 64.0
 
 
 # --- bad input ----------------------------------------------------------------
@@ -377,7 +377,7 @@ def test_invalid_inner_or_loss_scale():
   with pytest.raises(ValueError, match="inner"):
     ols.dynamic_loss_scale(object())
   with pytest.raises(ValueError, match="loss_scale"):
-    ols.with_loss_scale(optax.sgd(0.1), 2.0**15)
+    ols.porting.with_loss_scale(optax.sgd(0.1), 2.0**15)
 
 
 def test_hyper_parameters_are_not_state_leaves():

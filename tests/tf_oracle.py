@@ -133,7 +133,7 @@ def run_ours(
 
   import optax_lossscale as ols
 
-  opt = ols.LossScaleOptimizer(
+  opt = ols.porting.LossScaleOptimizer(
     {"class_name": cfg.optimizer, "config": cfg.kwargs()},
     initial_scale=cfg.initial_scale,
     dynamic_growth_steps=cfg.growth_steps,

@@ -39,8 +39,8 @@ class ExperimentalLossScaleOptimizer(LossScaleOptimizer):
 
   Example:
     >>> import optax_lossscale as ols
-    >>> opt1 = ols.ExperimentalLossScaleOptimizer("sgd", loss_scale=123)
-    >>> opt2 = ols.LossScaleOptimizer("sgd", dynamic=False, initial_scale=123)
+    >>> opt1 = ols.porting.ExperimentalLossScaleOptimizer("sgd", loss_scale=123)
+    >>> opt2 = ols.porting.LossScaleOptimizer("sgd", dynamic=False, initial_scale=123)
     >>> opt1.get_config() == opt2.get_config()
     True
   """

@@ -94,7 +94,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
-    >>> opt = ols.LossScaleOptimizer("sgd", initial_scale=1024.0, clipnorm=1.0)
+    >>> opt = ols.porting.LossScaleOptimizer("sgd", initial_scale=1024.0, clipnorm=1.0)
     >>> params = {"w": jnp.ones(3)}
     >>> state = opt.init(params)
     >>> grads = {"w": jnp.full(3, 1024.0 * 10)}  # gradients of the scaled loss

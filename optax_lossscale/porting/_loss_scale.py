@@ -49,7 +49,7 @@ class LossScale:
   Example:
     >>> import jax, jax.numpy as jnp
     >>> import optax_lossscale as ols
-    >>> ls = ols.DynamicLossScale(initial_scale=2.0**10, growth_interval=2)
+    >>> ls = ols.porting.DynamicLossScale(initial_scale=2.0**10, growth_interval=2)
     >>> float(ls())
     1024.0
     >>> grads = {"w": jnp.array([2048.0, 4096.0])}
@@ -250,10 +250,11 @@ class DynamicLossScale(LossScale):
 
   Example:
     >>> import optax_lossscale as ols
-    >>> tf_style = ols.DynamicLossScale(initial_loss_scale=2048, increment_period=500)
+    >>> DynamicLossScale = ols.porting.DynamicLossScale
+    >>> tf_style = DynamicLossScale(initial_loss_scale=2048, increment_period=500)
     >>> tf_style.get_config()
     {'initial_loss_scale': 2048.0, 'increment_period': 500, 'multiplier': 2.0}
-    >>> ols.DynamicLossScale(2048, growth_interval=500).config.max_scale
+    >>> ols.porting.DynamicLossScale(2048, growth_interval=500).config.max_scale
     16777216.0
   """
 

@@ -172,7 +172,9 @@ def test_a_loss_that_differs_between_devices_is_refused():
 
 def test_noop_without_axis_name_under_shard_map_says_what_for():
   mesh = make_mesh()
-  t = ols.with_loss_scale(optax.sgd(0.1), ols.NoOpLossScale(), track_nonfinite=True)
+  t = ols.porting.with_loss_scale(
+    optax.sgd(0.1), ols.porting.NoOpLossScale(), track_nonfinite=True
+  )
 
   def local(p, s, g):
     return t.update(g, s, p)[1]
