@@ -342,3 +342,71 @@ def test_calls_outside_jit_are_rewritten_once_per_signature():
   assert traces == [(3, 4)]
   fast(jnp.ones((2, 4)))  # another signature: one more trace
   assert traces == [(3, 4), (2, 4)]
+
+
+def test_two_autocast_traces_in_threads_keep_their_own_module_paths(monkeypatch):
+  import threading
+
+  from optax_lossscale._autocast import evaluate as walk
+
+  w = jnp.ones((8, 8))
+
+  def named(scope):
+    def f(x):
+      with jax.named_scope(scope):
+        return jnp.tanh(x @ w) @ w
+
+    return ols.autocast(f, compute_dtype=jnp.bfloat16)
+
+  # Each thread waits, at its first matmul, until the other is at its own:
+  # both walks are then inside their scopes at once.
+  barrier = threading.Barrier(2, timeout=30)
+  waited = threading.local()
+  note = walk._note
+
+  def meeting(*args, **kwargs):
+    if not getattr(waited, "done", False):
+      waited.done = True
+      barrier.wait()
+    return note(*args, **kwargs)
+
+  monkeypatch.setattr(walk, "_note", meeting)
+  found = {}
+
+  def listing(scope):
+    found[scope] = {m.path for m in ols.list_matmuls(named(scope), jnp.ones((2, 8)))}
+
+  threads = [
+    threading.Thread(target=listing, args=(s,)) for s in ("encoder", "decoder")
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert found == {"encoder": {"encoder"}, "decoder": {"decoder"}}
+
+
+def test_nested_conds_are_rewritten_once_a_branch(monkeypatch):
+  from optax_lossscale._autocast import evaluate as walk
+
+  def nested(depth):
+    """A cond whose first branch holds a cond whose first branch ..."""
+    if depth == 0:
+      return lambda x: jnp.sin(x) @ jnp.eye(4)
+    inner = nested(depth - 1)
+    return lambda x: lax.cond(x.sum() > 0, inner, jnp.cos, x)
+
+  calls = []
+  evaluate = walk.evaluate
+  monkeypatch.setattr(
+    walk, "evaluate", lambda *a, **k: calls.append(1) or evaluate(*a, **k)
+  )
+  counts = []
+  for depth in (2, 6):
+    calls.clear()
+    g = ols.autocast(nested(depth), compute_dtype=jnp.bfloat16)
+    jax.make_jaxpr(g)(jnp.ones(4))
+    counts.append(len(calls))
+  # the function's jaxpr, and two branches a cond: linear in the depth (each
+  # branch traced twice would double the count at every level)
+  assert counts == [1 + 2 * 2, 1 + 2 * 6]

@@ -10,7 +10,7 @@ inputs by its list (:func:`_first_order`); matmuls go through
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,7 +31,7 @@ from optax_lossscale._base.jaxpr import ClosedJaxpr, Jaxpr, Literal
 from optax_lossscale._lowbit import block_matmul as _block_matmul
 from optax_lossscale._lowbit import float8 as _float8
 
-__all__ = ["cast", "evaluate", "recording"]
+__all__ = ["Walk", "cast", "evaluate"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -54,11 +54,40 @@ def _match(values, dtypes):
   ]
 
 
+@dataclasses.dataclass(frozen=True)
+class Walk:
+  """What the rewrite of one function carries down its jaxprs, passed to
+  every equation (no global state: two rewrites in two threads are
+  independent).
+
+  Attributes:
+    rules: the lists, the half dtype and the matmul recipe.
+    scope: ``(name stack, equation id)`` of the equations being rewritten,
+      outermost first: a matmul's module path is their name stacks joined
+      (a sub-jaxpr's are relative).
+    record: where a listing collects the matmuls' decisions, keyed by their
+      scope's equations; ``None`` outside a listing.
+  """
+
+  rules: Rules
+  scope: tuple[tuple[str, int], ...] = ()
+  record: dict | None = None
+
+  def inside(self, eqn) -> Walk:
+    """This walk inside ``eqn``."""
+    entry = (str(eqn.source_info.name_stack), id(eqn))
+    return dataclasses.replace(self, scope=(*self.scope, entry))
+
+  @property
+  def module_path(self) -> str:
+    return "/".join(s for s, _ in self.scope if s)
+
+
 def evaluate(
   jaxpr: Jaxpr,
   consts: Iterable[Any],
   args: Iterable[Any],
-  rules: Rules,
+  walk: Walk,
   out_float32: Iterable[bool] | None = None,
   inputs: Iterable[bool] | None = None,
 ):
@@ -74,89 +103,54 @@ def evaluate(
     out_float32 = [False] * len(jaxpr.outvars)
   if inputs is None:
     inputs = [True] * len(jaxpr.invars)
-  float32 = float32_results(jaxpr, out_float32, rules)
+  float32 = float32_results(jaxpr, out_float32, walk.rules)
   moved = moved_inputs(jaxpr, inputs)
 
   def eval_eqn(eqn, invals):
     invals = [jnp.asarray(x) for x in invals]
-    _SCOPE.append((str(eqn.source_info.name_stack), id(eqn)))
-    try:
-      return _eval_eqn(eqn, invals, rules, float32, moved)
-    finally:
-      _SCOPE.pop()
+    return _eval_eqn(eqn, invals, walk.inside(eqn), float32, moved)
 
   return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
 
 
-#: The name stacks (and equations) being rewritten, outermost first: a
-#: matmul's module path is theirs joined (a sub-jaxpr's are relative).
-_SCOPE: list[tuple[str, int]] = []
-#: Where a listing collects the matmuls' decisions, keyed by their equations.
-_RECORD: list[dict | None] = [None]
-
-
-@contextlib.contextmanager
-def recording():
-  """Collects ``{equations: decision}`` of every matmul rewritten inside."""
-  found: dict = {}
-  _RECORD.append(found)
-  try:
-    yield found
-  finally:
-    _RECORD.pop()
-
-
-@contextlib.contextmanager
-def _not_recording():
-  _RECORD.append(None)
-  try:
-    yield
-  finally:
-    _RECORD.pop()
-
-
-def _module_path() -> str:
-  return "/".join(s for s, _ in _SCOPE if s)
-
-
-def _eval_eqn(eqn, invals, rules: Rules, float32: dict, moved: set):
+def _eval_eqn(eqn, invals, walk: Walk, float32: dict, moved: set):
   name = eqn.primitive.name
   params = eqn.params
   flags = [isinstance(v, Literal) or v in moved for v in eqn.invars]
   body = _jaxpr.call_body(eqn)
   outs_float32 = [in_float32(float32, v) for v in eqn.outvars]
   if body is not None:
-    return evaluate(*body, invals, rules, outs_float32, flags)
+    return evaluate(*body, invals, walk, outs_float32, flags)
   if name in CUSTOM_CALLS:
-    return _custom_call(eqn, invals, rules, outs_float32, flags)
+    return _custom_call(eqn, invals, walk, outs_float32, flags)
   if name in ("remat", "remat2", "checkpoint"):
     sub, consts = _jaxpr.closed(params["jaxpr"])
     body = jax.checkpoint(
-      lambda *a: evaluate(sub, consts, a, rules, outs_float32, flags),
+      lambda *a: evaluate(sub, consts, a, walk, outs_float32, flags),
       prevent_cse=params.get("prevent_cse", True),
       policy=params.get("policy"),
     )
     return body(*invals)
   if name == "scan":
-    return _scan(eqn, invals, rules, flags)
+    return _scan(eqn, invals, walk, flags)
   if name == "while":
-    return _while(eqn, invals, rules, flags)
+    return _while(eqn, invals, walk, flags)
   if name == "cond":
-    return _cond(eqn, invals, rules, flags)
+    return _cond(eqn, invals, walk, flags)
   if any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in params.values()):
     raise NotImplementedError(
       f"autocast does not support the primitive {name!r} (it holds a jaxpr that "
       "autocast cannot rewrite); call it outside the autocast function."
     )
-  if rules.kind(name) == "allow":
-    return _allow(eqn, invals, rules, all(outs_float32), flags)
+  if walk.rules.kind(name) == "allow":
+    return _allow(eqn, invals, walk, all(outs_float32), flags)
   if name == "dot_general":  # a matmul the lists keep as written
     dtypes = dict.fromkeys(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
-    _note(eqn, flags, None, "/".join(dtypes), eqn.outvars[0].aval.dtype)
-  return _first_order(eqn, invals, rules)
+    _note(eqn, flags, None, "/".join(dtypes), eqn.outvars[0].aval.dtype, walk)
+  return _first_order(eqn, invals, walk.rules)
 
 
-def _custom_call(eqn, invals, rules: Rules, outs_float32: list[bool], flags):
+def _custom_call(eqn, invals, walk: Walk, outs_float32: list[bool], flags):
   """A ``custom_jvp``/``custom_vjp`` call: its primal rewritten, its rule kept.
 
   The call runs with its inputs in the dtypes the function gave them and
@@ -168,7 +162,7 @@ def _custom_call(eqn, invals, rules: Rules, outs_float32: list[bool], flags):
   sub, consts = _jaxpr.closed(eqn.params[key])
 
   def body(*args):
-    outs = evaluate(sub, consts, args, rules, outs_float32, flags)
+    outs = evaluate(sub, consts, args, walk, outs_float32, flags)
     return _match(outs, [v.aval.dtype for v in sub.outvars])
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in sub.invars]
@@ -177,7 +171,7 @@ def _custom_call(eqn, invals, rules: Rules, outs_float32: list[bool], flags):
   return _jaxpr.bind(eqn, invals, {key: rewritten})
 
 
-def _allow(eqn, invals, rules: Rules, read_in_float32: bool, flags: list[bool]):
+def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   """An allow-list primitive (a matmul, a convolution): in the half dtype, a
   recipe, or as the function wrote it.
 
@@ -193,7 +187,7 @@ def _allow(eqn, invals, rules: Rules, read_in_float32: bool, flags: list[bool]):
   attention's: a product with batch dimensions of two values the function
   computed.
   """
-  half = rules.half
+  half = walk.rules.half
   original = [jnp.dtype(v.aval.dtype) for v in eqn.invars]
   floating = [d for d in original if is_float(d)]
   matmul = eqn.primitive.name == "dot_general"
@@ -224,8 +218,9 @@ def _allow(eqn, invals, rules: Rules, read_in_float32: bool, flags: list[bool]):
   out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
   dims = eqn.params["dimension_numbers"]
   attention = _is_attention(eqn, flags)
-  recipe = _recipe(rules.float8, _module_path(), attention) if min(sizes) >= 2 else None
-  _note(eqn, flags, recipe, precision, out_dtype)
+  recipe = _recipe(walk.rules.float8, walk.module_path, attention)
+  recipe = recipe if min(sizes) >= 2 else None
+  _note(eqn, flags, recipe, precision, out_dtype, walk)
   sharding = eqn.params.get("out_sharding")
   if recipe is None:
     return _jaxpr.bind(eqn, invals, params)
@@ -254,16 +249,16 @@ def _is_attention(eqn, flags: list[bool]) -> bool:
   return bool(eqn.params["dimension_numbers"][1][0]) and not any(flags)
 
 
-def _note(eqn, flags, recipe, precision: str, out_dtype) -> None:
+def _note(eqn, flags, recipe, precision: str, out_dtype, walk: Walk) -> None:
   """A listing's record of this matmul (once per equation, however often
   its body is traced)."""
-  found = _RECORD[-1]
+  found = walk.record
   if found is None:
     return
   found.setdefault(
-    tuple(i for _, i in _SCOPE),
+    tuple(i for _, i in walk.scope),
     {
-      "path": _module_path(),
+      "path": walk.module_path,
       "kind": "attention" if _is_attention(eqn, flags) else "weight",
       "lhs_shape": tuple(eqn.invars[0].aval.shape),
       "rhs_shape": tuple(eqn.invars[1].aval.shape),
@@ -310,7 +305,7 @@ def _first_order(eqn, invals, rules: Rules):
   return _jaxpr.bind(eqn, invals)
 
 
-def _scan(eqn, invals, rules, flags):
+def _scan(eqn, invals, walk, flags):
   p = eqn.params
   sub, consts = _jaxpr.closed(p["jaxpr"])
   nc, ncarry = _jaxpr.scan_counts(p)
@@ -319,7 +314,7 @@ def _scan(eqn, invals, rules, flags):
   inputs = [*flags[:nc], *[False] * ncarry, *flags[nc + ncarry :]]
 
   def body(carry, x):
-    outs = evaluate(sub, consts, [*cvals, *carry, *x], rules, None, inputs)
+    outs = evaluate(sub, consts, [*cvals, *carry, *x], walk, None, inputs)
     return tuple(_match(outs[:ncarry], carry_dtypes)), tuple(outs[ncarry:])
 
   carry, ys = lax.scan(
@@ -333,7 +328,7 @@ def _scan(eqn, invals, rules, flags):
   return [*carry, *ys]
 
 
-def _while(eqn, invals, rules, flags):
+def _while(eqn, invals, walk, flags):
   p = eqn.params
   cj, cconsts = _jaxpr.closed(p["cond_jaxpr"])
   bj, bconsts = _jaxpr.closed(p["body_jaxpr"])
@@ -346,29 +341,33 @@ def _while(eqn, invals, rules, flags):
   bflags = [*flags[nc : nc + nb], *[False] * n]
 
   def cond_fun(carry):
-    return evaluate(cj, cconsts, [*cvals, *carry], rules, None, cflags)[0]
+    return evaluate(cj, cconsts, [*cvals, *carry], walk, None, cflags)[0]
 
   def body_fun(carry):
-    outs = evaluate(bj, bconsts, [*bvals, *carry], rules, None, bflags)
+    outs = evaluate(bj, bconsts, [*bvals, *carry], walk, None, bflags)
     return tuple(_match(outs, dtypes))
 
   return list(lax.while_loop(cond_fun, body_fun, tuple(init)))
 
 
-def _cond(eqn, invals, rules, flags):
+def _cond(eqn, invals, walk, flags):
+  """A ``cond``/``switch``: each branch rewritten once (its jaxpr traced
+  once, so nested branches cost a trace each, not two per level), then the
+  rewritten branches bound under ``lax.switch``, each output in the widest
+  dtype any branch gives it."""
   index, ops = invals[0], invals[1:]
   flags = flags[1:]
-  branches = [_jaxpr.closed(b) for b in eqn.params["branches"]]
-
-  def run(b, o):
-    return evaluate(b[0], b[1], o, rules, None, flags)
-
-  with _not_recording():  # the branches are recorded once, when they run
-    shapes = [jax.eval_shape(lambda *o, b=b: run(b, o), *ops) for b in branches]
-  # Each output in the widest dtype any branch gives it.
-  dtypes = [
-    max((s[i].dtype for s in shapes), key=lambda d: jnp.dtype(d).itemsize)
-    for i in range(len(shapes[0]))
+  rewritten = [
+    jax.make_jaxpr(lambda *o, b=b: evaluate(b[0], b[1], o, walk, None, flags))(*ops)
+    for b in map(_jaxpr.closed, eqn.params["branches"])
   ]
-  fns = [lambda *o, b=b: tuple(_match(run(b, o), dtypes)) for b in branches]
+  dtypes = [
+    max((r.out_avals[i].dtype for r in rewritten), key=lambda d: jnp.dtype(d).itemsize)
+    for i in range(len(rewritten[0].out_avals))
+  ]
+
+  def bound(r, *o):
+    return tuple(_match(_jaxpr.evaluate(r.jaxpr, r.consts, o, _jaxpr.bind), dtypes))
+
+  fns = [lambda *o, r=r: bound(r, *o) for r in rewritten]
   return list(lax.switch(index, fns, *ops))

@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale._autocast import evaluate as _autocast_eval
 from optax_lossscale._autocast import transform as _autocast
 from optax_lossscale._autocast.rules import Rules
 
@@ -67,8 +66,9 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
   """
   inner, rules = getattr(fun, "_autocast", (fun, _AS_WRITTEN))
   _, spec, arrays = _autocast.prepare(inner, args, kwargs)
-  with _autocast_eval.recording() as found:
-    jax.eval_shape(functools.partial(_autocast.rewritten, inner, rules, spec), *arrays)
+  found: dict = {}
+  run = functools.partial(_autocast.rewritten, inner, rules, spec, record=found)
+  jax.eval_shape(run, *arrays)
   return [Matmul(**entry) for entry in found.values()]
 
 

@@ -208,11 +208,12 @@ def _call(fun, rules: Rules, cached, args, kwargs):
   return out
 
 
-def rewritten(fun, rules: Rules, spec, *arrays):
+def rewritten(fun, rules: Rules, spec, *arrays, record: dict | None = None):
   """``fun`` on the array leaves, its jaxpr evaluated by the rules.
 
   With graph nodes (``spec``'s graph), returns ``(fun's output, their state
-  after the call, their graph after it)``.
+  after the call, their graph after it)``. ``record``: where a listing
+  collects the matmuls' decisions (:func:`~optax_lossscale.list_matmuls`).
   """
   static, treedef, graphdef, owner = spec
 
@@ -229,7 +230,8 @@ def rewritten(fun, rules: Rules, spec, *arrays):
     return out, state_after, _autocast_state.Static(graphdef_after)
 
   closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
-  outs = _autocast_eval.evaluate(closed.jaxpr, closed.consts, arrays, rules)
+  walk = _autocast_eval.Walk(rules, record=record)
+  outs = _autocast_eval.evaluate(closed.jaxpr, closed.consts, arrays, walk)
   outs = [
     cast(x, s.dtype) if is_float(x.dtype) and is_float(s.dtype) else x
     for x, s in zip(outs, jax.tree.leaves(out_shape), strict=True)
