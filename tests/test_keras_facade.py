@@ -593,3 +593,68 @@ def test_get_unscaled_gradients_chooses_float32_leaf_by_leaf_as_update():
   assert unscaled["b"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(unscaled["a"], 3.0)
   np.testing.assert_array_equal(unscaled["b"], 5.0)
+
+
+# An inner optimizer's name or config, read by the one Keras config parser on
+# both paths: Keras' formulas (the default) and optax's optimizer under the
+# core's arguments (min_scale and the like). The config's own arguments are
+# Keras' names on the first path, optax's on the second.
+INNER_FORMS = {
+  "a name": ("adam", {}, None),
+  "class_name and config": ({"class_name": "Adam", "config": {}}, {}, None),
+  "Keras 3's serialised form": (
+    {
+      "module": "keras.optimizers",
+      "class_name": "Adam",
+      "config": {"name": "adam", "jit_compile": True, "clipnorm": 2.0},
+      "registered_name": None,
+    },
+    {"clipnorm": 2.0},
+    None,
+  ),
+  "tf_keras' form, legacy decay 0": (
+    {
+      "class_name": "Adam",
+      "config": {"name": "Adam", "decay": 0.0, "is_legacy_optimizer": False},
+    },
+    {},
+    None,
+  ),
+  "a legacy decay": (
+    {"class_name": "Adam", "config": {"decay": 0.1}},
+    {},
+    "legacy `decay",
+  ),
+  "a serialised schedule": (
+    {
+      "class_name": "Adam",
+      "config": {"learning_rate": {"class_name": "ExponentialDecay"}},
+    },
+    {},
+    "serialised learning-rate schedule",
+  ),
+  "an unknown key": ({"class_name": "Adam", "bogus": 1}, {}, "must be an optax"),
+  "an unknown optimizer": ("adamax9", {}, "unknown optimizer|adamax9"),
+}
+
+
+@pytest.mark.parametrize("form", INNER_FORMS)
+@pytest.mark.parametrize(
+  "core", [False, True], ids=["keras formulas", "core arguments"]
+)
+def test_one_config_parser_on_both_paths(form, core):
+  inner, base, error = INNER_FORMS[form]
+  extra = {"min_scale": 1.0} if core else {}
+  if error:
+    with pytest.raises(ValueError, match=error):
+      ols.porting.LossScaleOptimizer(inner, **extra)
+    return
+  opt = ols.porting.LossScaleOptimizer(inner, **extra)
+  config = opt.get_config()
+  assert config["inner_optimizer"]["class_name"].lower() == "adam"
+  for k, v in base.items():  # base arguments in the inner config are honoured
+    assert config[k] == v
+  params = {"w": jnp.ones(3)}
+  state = opt.init(params)
+  updates, _ = opt.update({"w": jnp.ones(3) * 1e3}, state, params)
+  assert np.all(np.isfinite(np.asarray(updates["w"])))

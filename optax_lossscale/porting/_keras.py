@@ -164,7 +164,11 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         )
       # The core's arguments: optax's optimizer of that name, in the core's
       # loss scale (optax's argument names in its config).
-      inner_optimizer, inner_config = _optimizers.inner_spec(inner_optimizer)
+      inner_optimizer, inner_config, from_inner = _optimizers.inner_spec(
+        inner_optimizer
+      )
+      from_inner.pop("loss_scale_factor", None)  # as Keras 3 turns it off
+      base = _keras_config.merge_base(base, from_inner)
       keras = False
     if keras:
       name, own, from_inner = _keras_config.inner_parts(inner_optimizer)

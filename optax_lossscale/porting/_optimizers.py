@@ -19,6 +19,7 @@ import optax
 from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
+from optax_lossscale.porting import _keras_config
 
 __all__ = [
   "clip_each_by_norm",
@@ -46,28 +47,21 @@ _OPTIMIZERS = {
 _DEFAULT_LEARNING_RATE = {"sgd": 0.01}
 
 
-def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
-  """(the optax transformation, what ``get_config`` reports for it).
+def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any, dict[str, Any]]:
+  """(the optax transformation, what ``get_config`` reports for it, the
+  Keras base arguments its config held).
 
   Anything with callable ``init`` and ``update`` is a transformation, as
-  for the loss scales (``optax.MultiSteps`` is a class of its own)."""
+  for the loss scales (``optax.MultiSteps`` is a class of its own). A name or
+  config is read by the one Keras config parser
+  (:func:`~optax_lossscale.porting._keras_config.inner_parts`), its own
+  arguments in optax's names."""
   if not isinstance(inner, (str, Mapping)) and all(
     callable(getattr(inner, name, None)) for name in ("init", "update")
   ):
-    return inner, inner
-  if isinstance(inner, str):
-    inner = {"class_name": inner, "config": {}}
-  if not (
-    isinstance(inner, Mapping)
-    and set(inner) <= {"class_name", "config"}
-    and isinstance(inner.get("class_name"), str)
-    and isinstance(inner.get("config", {}), Mapping)
-  ):
-    raise ValueError(
-      "`inner_optimizer` must be an optax GradientTransformation, an optimizer "
-      f"name such as 'adam', or {{'class_name': ..., 'config': {{...}}}}; got "
-      f"{inner!r}."
-    )
+    return inner, inner, {}
+  class_name, own, base = _keras_config.inner_parts(inner)
+  inner = {"class_name": class_name, "config": own}
   name = inner["class_name"].lower()
   if name not in _OPTIMIZERS:
     raise ValueError(
@@ -88,7 +82,7 @@ def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any]:
     tx = inject(**config)
   except TypeError as e:
     raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
-  return tx, {"class_name": name, "config": config}
+  return tx, {"class_name": name, "config": config}, base
 
 
 def _is_inject_state(x: Any) -> bool:
