@@ -474,6 +474,16 @@ from flax import serialization
 restored = serialization.from_bytes(state, serialization.to_bytes(state))
 assert type(restored.nonfinite).__name__ == "NonFiniteRecord"
 """,
+  "a record made without importing Flax": """
+import sys
+import jax.numpy as jnp, optax, optax_lossscale as ols
+tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+state = tx.init({"w": jnp.ones(2)})
+assert "flax" not in sys.modules, "the record imported Flax"
+import flax.serialization as serialization  # Flax loaded later: registered then
+restored = serialization.from_bytes(state, serialization.to_bytes(state))
+assert type(restored.nonfinite).__name__ == "NonFiniteRecord"
+""",
   "flax.serialization first": """
 from flax import serialization
 import jax.numpy as jnp, optax, optax_lossscale as ols

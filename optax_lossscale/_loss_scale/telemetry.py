@@ -12,7 +12,7 @@ the per-leaf work; :func:`nonfinite_report` reads it on the host.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib.abc
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -88,11 +88,11 @@ _REGISTERED = []
 def register_flax_serialization() -> None:
   """Lets ``flax.serialization`` (``to_bytes``, ``to_state_dict``) save a record.
 
-  Called when a record is made (:func:`initial_record`) and Flax is
-  installed, when ``optax_lossscale.flax`` is imported, and at this module's
-  import when Flax's serialization is already loaded: whatever the order of
-  the imports, a record that exists can be serialised. Once. The arrays are
-  saved by name; the paths come from the restore target.
+  Called at this module's import when Flax's serialization is already
+  loaded, and otherwise when Flax loads it (:class:`_OnFlaxSerialization`):
+  whatever the order of the imports, a record can be serialised, and
+  Flax is never imported for it. Once. The arrays are saved by name; the
+  paths come from the restore target.
   """
   if _REGISTERED:
     return
@@ -115,8 +115,40 @@ def register_flax_serialization() -> None:
   _REGISTERED.append(True)
 
 
+class _OnFlaxSerialization(importlib.abc.MetaPathFinder):
+  """An import hook: when ``flax.serialization`` is loaded, registers the
+  record with it (:func:`register_flax_serialization`), then removes itself."""
+
+  def find_spec(self, name, path, target=None):
+    if name != "flax.serialization":
+      return None
+    for finder in sys.meta_path:
+      if finder is self or not hasattr(finder, "find_spec"):
+        continue
+      spec = finder.find_spec(name, path, target)
+      if spec is not None:
+        break
+    else:
+      return None
+    loader = spec.loader
+    run = getattr(loader, "exec_module", None)
+    if run is None:
+      return None
+
+    def exec_module(module):
+      run(module)
+      if self in sys.meta_path:
+        sys.meta_path.remove(self)
+      register_flax_serialization()
+
+    loader.exec_module = exec_module
+    return spec
+
+
 if "flax.serialization" in sys.modules:
   register_flax_serialization()
+elif not any(isinstance(f, _OnFlaxSerialization) for f in sys.meta_path):
+  sys.meta_path.insert(0, _OnFlaxSerialization())
 
 
 def _key_name(key: Any) -> str:
@@ -146,8 +178,6 @@ def _leaves(grads: Any) -> list[Any]:
 
 def initial_record(params: Any) -> NonFiniteRecord:
   """A fresh record for gradients shaped like ``params`` (one entry per leaf)."""
-  if importlib.util.find_spec("flax") is not None:
-    register_flax_serialization()  # cheap once JAX is loaded (Flax's own import)
   paths = leaf_paths(params)
   n = len(paths)
   return NonFiniteRecord(
