@@ -10,7 +10,7 @@ loss scale. Either way it is an optax ``GradientTransformationExtraArgs``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +39,131 @@ DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
 
 
 @_tree.rebuilt_as_itself
+class _Scale(NamedTuple):
+  """The loss scale's arguments, as ``scale_args`` read them."""
+
+  dynamic: bool
+  initial_scale: float
+  growth_steps: int | None
+  axis_name: Any
+  track_nonfinite: Any  # the core's record (checked by the core)
+
+
+class _Built(NamedTuple):
+  """What a construction mode makes of ``LossScaleOptimizer``'s arguments."""
+
+  tx: Any  # the transformation
+  keras: Any  # the KerasLossScale of Keras' formulas, else None
+  inner: Any  # the formula's spec, or the inner optax transformation
+  inner_config: Any  # what get_config reports for the inner optimizer
+  config: dict  # the rest of get_config
+
+
+def _own_config(scale: _Scale, base: dict, legacy_keras: bool) -> dict:
+  return {
+    "dynamic": scale.dynamic,
+    "initial_scale": scale.initial_scale,
+    "dynamic_growth_steps": scale.growth_steps if scale.dynamic else None,
+    **base,
+    "legacy_keras": legacy_keras,
+    "axis_name": scale.axis_name,
+  }
+
+
+def _keras_formulas(
+  inner: Any, base: dict, legacy_keras: bool, scale: _Scale
+) -> _Built:
+  """An optimizer given by its Keras name or config: Keras' own formulas
+  (tf_keras' with ``legacy_keras``) in Keras' loss-scale step."""
+  name, own, from_inner = _keras_config.inner_parts(inner)
+  # Keras 3's LossScaleOptimizer turns its inner optimizer's
+  # loss_scale_factor off (the gradients would be unscaled twice).
+  from_inner.pop("loss_scale_factor", None)
+  base = _keras_config.merge_base(base, from_inner)
+  if name.lower() == "adamw" and "weight_decay" not in from_inner:
+    if base["weight_decay"] is None:
+      base["weight_decay"] = _keras_math.DEFAULTS["adamw"]["weight_decay"]
+  base = _keras_config.validate_base(base)
+  config = _own_config(scale, base, legacy_keras)
+  spec = _keras_math.spec(name, own, legacy=legacy_keras)
+  if legacy_keras:
+    for k in ("gradient_accumulation_steps", "loss_scale_factor"):
+      if base[k] is not None:
+        raise ValueError(f"`{k}`: tf_keras has none (legacy_keras=True).")
+  args = dict(base)
+  factor = args.pop("loss_scale_factor")
+  tx = _tf_step.KerasLossScale(
+    spec,
+    BaseArgs(**args),
+    scale.initial_scale,
+    scale.growth_steps if scale.dynamic else None,
+    factor,
+    scale.axis_name,
+  )
+  inner_config = {"class_name": spec.name, "config": dict(spec.hyper)}
+  return _Built(tx, tx, spec, inner_config, config)
+
+
+def _optax_by_keras_name(
+  inner: Any, base: dict, legacy_keras: bool, scale: _Scale, core_only: dict
+) -> _Built:
+  """An optimizer given by its Keras name or config with the core's
+  arguments (its clamps, hysteresis, record): optax's optimizer of that
+  name, optax's argument names in its config, in the core's loss scale."""
+  if legacy_keras:
+    given = [f"{k}={v!r}" for k, v in core_only.items() if v is not None]
+    raise ValueError(
+      f"{', '.join(given)} with legacy_keras=True: the core's clamps, "
+      "hysteresis and record run optax's optimizer of that name, not "
+      "tf_keras' formulas."
+    )
+  tx, inner_config, from_inner = _optimizers.inner_spec(inner)
+  from_inner.pop("loss_scale_factor", None)  # as Keras 3 turns it off
+  base = _keras_config.merge_base(base, from_inner)
+  return _core_loss_scale(tx, inner_config, base, legacy_keras, scale, core_only)
+
+
+def _core_loss_scale(
+  inner: Any,
+  inner_config: Any,
+  base: dict,
+  legacy_keras: bool,
+  scale: _Scale,
+  core_only: dict,
+) -> _Built:
+  """An optax transformation in the core's loss scale, Keras' base
+  arguments (clipping, decay, average, accumulation) around it."""
+  base = _keras_config.validate_base(base)
+  config = _own_config(scale, base, legacy_keras)
+  if legacy_keras:
+    raise ValueError(
+      "`legacy_keras=True` selects tf_keras' formulas: give the inner "
+      "optimizer by its Keras name."
+    )
+  core = _keras_config.core_config(
+    scale.dynamic,
+    scale.initial_scale,
+    scale.growth_steps,
+    core_only["min_scale"],
+    core_only["max_scale"],
+    core_only["hysteresis"],
+  )
+  tx = _keras_optax.build(
+    inner,
+    core,
+    **base,
+    axis_name=scale.axis_name,
+    track_nonfinite=scale.track_nonfinite,
+  )
+  config.update(
+    min_scale=core.min_scale if scale.dynamic else None,
+    max_scale=core.max_scale if scale.dynamic else None,
+    hysteresis=core.hysteresis if scale.dynamic else None,
+    track_nonfinite=scale.track_nonfinite,
+  )
+  return _Built(tx, None, inner, inner_config, config)
+
+
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   """Keras' ``LossScaleOptimizer`` as an optax transformation.
 
@@ -152,89 +277,24 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       "hysteresis": hysteresis,
       "track_nonfinite": track_nonfinite or None,
     }
-    keras = not _keras_config.is_transformation(inner_optimizer)
-    inner_config = inner_optimizer
-    if keras and any(v is not None for v in core_only.values()):
-      if legacy_keras:
-        given = [f"{k}={v!r}" for k, v in core_only.items() if v is not None]
-        raise ValueError(
-          f"{', '.join(given)} with legacy_keras=True: the core's clamps, "
-          "hysteresis and record run optax's optimizer of that name, not "
-          "tf_keras' formulas."
-        )
-      # The core's arguments: optax's optimizer of that name, in the core's
-      # loss scale (optax's argument names in its config).
-      inner_optimizer, inner_config, from_inner = _optimizers.inner_spec(
-        inner_optimizer
+    scale = _Scale(
+      dynamic, initial_scale, dynamic_growth_steps, axis_name, track_nonfinite
+    )
+    if _keras_config.is_transformation(inner_optimizer):
+      built = _core_loss_scale(
+        inner_optimizer, inner_optimizer, base, legacy_keras, scale, core_only
       )
-      from_inner.pop("loss_scale_factor", None)  # as Keras 3 turns it off
-      base = _keras_config.merge_base(base, from_inner)
-      keras = False
-    if keras:
-      name, own, from_inner = _keras_config.inner_parts(inner_optimizer)
-      # Keras 3's LossScaleOptimizer turns its inner optimizer's
-      # loss_scale_factor off (the gradients would be unscaled twice).
-      from_inner.pop("loss_scale_factor", None)
-      base = _keras_config.merge_base(base, from_inner)
-      if name.lower() == "adamw" and "weight_decay" not in from_inner:
-        if base["weight_decay"] is None:
-          base["weight_decay"] = _keras_math.DEFAULTS["adamw"]["weight_decay"]
-    base = _keras_config.validate_base(base)
-    self_config = {
-      "dynamic": dynamic,
-      "initial_scale": initial_scale,
-      "dynamic_growth_steps": dynamic_growth_steps if dynamic else None,
-      **base,
-      "legacy_keras": legacy_keras,
-      "axis_name": axis_name,
-    }
-    if keras:
-      spec = _keras_math.spec(name, own, legacy=legacy_keras)
-      if legacy_keras:
-        for k in ("gradient_accumulation_steps", "loss_scale_factor"):
-          if base[k] is not None:
-            raise ValueError(f"`{k}`: tf_keras has none (legacy_keras=True).")
-      factor = base.pop("loss_scale_factor")
-      tx = _tf_step.KerasLossScale(
-        spec,
-        BaseArgs(**base),
-        initial_scale,
-        dynamic_growth_steps if dynamic else None,
-        factor,
-        axis_name,
+    elif any(v is not None for v in core_only.values()):
+      built = _optax_by_keras_name(
+        inner_optimizer, base, legacy_keras, scale, core_only
       )
-      inner_config = {"class_name": spec.name, "config": dict(spec.hyper)}
-      self = super().__new__(cls, tx.init, tx.update)
-      self._keras = tx
-      self._inner = spec
     else:
-      if legacy_keras:
-        raise ValueError(
-          "`legacy_keras=True` selects tf_keras' formulas: give the inner "
-          "optimizer by its Keras name."
-        )
-      config = _keras_config.core_config(
-        dynamic, initial_scale, dynamic_growth_steps, min_scale, max_scale, hysteresis
-      )
-      tx = _keras_optax.build(
-        inner_optimizer,
-        config,
-        **base,
-        axis_name=axis_name,
-        track_nonfinite=track_nonfinite,
-      )
-      self_config.update(
-        min_scale=config.min_scale if dynamic else None,
-        max_scale=config.max_scale if dynamic else None,
-        hysteresis=config.hysteresis if dynamic else None,
-        track_nonfinite=track_nonfinite,
-      )
-
-      self = super().__new__(cls, tx.init, tx.update)
-      self._keras = None
-      self._inner = inner_optimizer
-    self._loss_scale_factor = self_config["loss_scale_factor"]
-    self._config = {"inner_optimizer": inner_config, **self_config}
+      built = _keras_formulas(inner_optimizer, base, legacy_keras, scale)
+    self = super().__new__(cls, built.tx.init, built.tx.update)
+    self._keras = built.keras
+    self._inner = built.inner
+    self._loss_scale_factor = built.config["loss_scale_factor"]
+    self._config = {"inner_optimizer": built.inner_config, **built.config}
     return self
 
   def __repr__(self):
