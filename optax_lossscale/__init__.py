@@ -37,6 +37,9 @@ from optax_lossscale._loss_scale.finite import all_finite as all_finite
 from optax_lossscale._loss_scale.grad import scale_loss as scale_loss
 from optax_lossscale._loss_scale.grad import value_and_grad as value_and_grad
 from optax_lossscale._loss_scale.guard import check_checkpoint as check_checkpoint
+from optax_lossscale._loss_scale.half_state import (
+  HalfPrecisionStateWarning as HalfPrecisionStateWarning,
+)
 from optax_lossscale._loss_scale.overwrite import apply_overwrites as apply_overwrites
 from optax_lossscale._loss_scale.plan import LeafPlan as LeafPlan
 from optax_lossscale._loss_scale.plan import LossScalePlan as LossScalePlan
@@ -44,6 +47,11 @@ from optax_lossscale._loss_scale.plan import loss_scale_plan as loss_scale_plan
 from optax_lossscale._loss_scale.report import LeafReport as LeafReport
 from optax_lossscale._loss_scale.report import NonFiniteReport as NonFiniteReport
 from optax_lossscale._loss_scale.report import nonfinite_report as nonfinite_report
+from optax_lossscale._loss_scale.search import diagnostics as diagnostics
+from optax_lossscale._loss_scale.search import (
+  find_loss_scale_state as find_loss_scale_state,
+)
+from optax_lossscale._loss_scale.search import get_scale as get_scale
 from optax_lossscale._loss_scale.skip import SkipFallbackWarning as SkipFallbackWarning
 from optax_lossscale._loss_scale.skipped_steps import (
   NonFiniteStepsError as NonFiniteStepsError,
@@ -51,14 +59,6 @@ from optax_lossscale._loss_scale.skipped_steps import (
 from optax_lossscale._loss_scale.skipped_steps import (
   check_skipped_steps as check_skipped_steps,
 )
-from optax_lossscale._loss_scale.state import (
-  HalfPrecisionStateWarning as HalfPrecisionStateWarning,
-)
-from optax_lossscale._loss_scale.state import diagnostics as diagnostics
-from optax_lossscale._loss_scale.state import (
-  find_loss_scale_state as find_loss_scale_state,
-)
-from optax_lossscale._loss_scale.state import get_scale as get_scale
 from optax_lossscale._loss_scale.telemetry import NonFiniteRecord as NonFiniteRecord
 from optax_lossscale._loss_scale.transform import (
   dynamic_loss_scale as dynamic_loss_scale,

@@ -41,8 +41,8 @@ from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import grad as _grad
 from optax_lossscale._loss_scale import overwrite as _overwrite
+from optax_lossscale._loss_scale import search as _search
 from optax_lossscale._loss_scale import skip as _skip
-from optax_lossscale._loss_scale import state as _state
 from optax_lossscale._loss_scale import telemetry as _telemetry
 
 __all__ = [
@@ -94,7 +94,7 @@ class LossScaleTrainState(train_state.TrainState):
     """
     opt_state = tx.init(params)
     if _loss_scaled(opt_state):
-      _state.find_loss_scale_state(opt_state)  # a clear error if several
+      _search.find_loss_scale_state(opt_state)  # a clear error if several
       _overwrite.find_overwrite_state(opt_state)  # refuses MultiSteps outside
     # An int32 array from the start: the same pytree (and checkpoint) before
     # and after the first step.
@@ -147,7 +147,7 @@ class LossScaleTrainState(train_state.TrainState):
     new_params = _overwrite.apply_overwrites(
       optax.apply_updates(self.params, updates), new_opt_state
     )
-    skipped = _state.diagnostics(new_opt_state)["last_step_skipped"]
+    skipped = _search.diagnostics(new_opt_state)["last_step_skipped"]
     step = jnp.where(skipped, self.step, self.step + 1).astype(jnp.int32)
     kept = _kept_on_skip(self, skipped, kwargs)
     return self.replace(step=step, params=new_params, opt_state=new_opt_state, **kept)
@@ -163,7 +163,7 @@ class LossScaleTrainState(train_state.TrainState):
     """
     if not self.has_loss_scale:
       return self.step
-    skipped = _state.diagnostics(self.opt_state)["skipped_steps"]
+    skipped = _search.diagnostics(self.opt_state)["skipped_steps"]
     return (self.step + skipped).astype(jnp.int32)
 
   @property
@@ -171,7 +171,7 @@ class LossScaleTrainState(train_state.TrainState):
     """The current float32 loss scale (1 without a loss scale in ``tx``)."""
     if not self.has_loss_scale:
       return jnp.ones([], jnp.float32)
-    return _state.get_scale(self.opt_state)
+    return _search.get_scale(self.opt_state)
 
   @property
   def diagnostics(self) -> dict[str, jax.Array]:
@@ -180,7 +180,7 @@ class LossScaleTrainState(train_state.TrainState):
     Raises:
       ValueError: ``tx`` holds no loss scale (there is nothing to report).
     """
-    return _state.diagnostics(self.opt_state)
+    return _search.diagnostics(self.opt_state)
 
   def value_and_grad(
     self, loss_fn: Callable[..., Any], *, has_aux: bool = False
@@ -200,7 +200,7 @@ class LossScaleTrainState(train_state.TrainState):
 
 def _loss_scaled(opt_state: Any) -> bool:
   """Whether ``opt_state`` holds a loss-scale state (at any depth)."""
-  return bool(_tree.find_all(opt_state, _state.is_loss_scale_state))
+  return bool(_tree.find_all(opt_state, _search.is_loss_scale_state))
 
 
 def _shapes(tree: Any) -> Any:
@@ -358,7 +358,7 @@ def nnx_update(
         "which the step has written: pass a copy of their values taken before "
         "the step, nnx.as_pure(nnx.state(model, nnx.BatchStat))."
       )
-    applied = jnp.logical_not(_state.diagnostics(optimizer)["last_step_skipped"])
+    applied = jnp.logical_not(_search.diagnostics(optimizer)["last_step_skipped"])
     kept = [
       (path, _skip.select(applied, _tree.unwrap(now[path]), _tree.unwrap(value)))
       for path, value in old

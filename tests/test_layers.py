@@ -132,7 +132,7 @@ def test_siblings_do_not_import_each_other(module):
 
 def test_the_sibling_test_can_fail(tmp_path):
   bad = tmp_path / "bad.py"
-  bad.write_text("from optax_lossscale._loss_scale import state as _s\n")
+  bad.write_text("from optax_lossscale._loss_scale import search as _s\n")
   (dep,) = _imports(bad)
   assert _subsystem(dep) == "_loss_scale" and _layer(dep) == LEVELS["_params"]
 

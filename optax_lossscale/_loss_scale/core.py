@@ -137,7 +137,7 @@ def unscale_tree(
   ``float32``, a bool or a tree of bools like ``tree`` (or ``None``), marks
   the half-precision leaves that come back in float32, as they were
   divided, instead of cast back to their dtype (those an inner optimizer
-  keeps float32 master weights of: ``_state.float32_gradient_leaves``).
+  keeps float32 master weights of: ``_plan.float32_gradient_leaves``).
   """
 
   def divide(x, by):

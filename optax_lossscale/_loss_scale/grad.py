@@ -15,20 +15,20 @@ import jax
 
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import core as _core
-from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import search as _search
 
 __all__ = ["scale_for", "scale_loss", "scaled_loss_fn", "value_and_grad"]
 
 
 def scale_loss(loss: Any, opt_state: Any) -> jax.Array:
   """``loss * get_scale(opt_state)``, computed in at least float32."""
-  return _core.scale_value(loss, _state.get_scale(opt_state))
+  return _core.scale_value(loss, _search.get_scale(opt_state))
 
 
 def scale_for(opt_state: Any, caller: str) -> jax.Array:
   """``get_scale(opt_state)``, with an error that says what ``caller`` takes."""
   try:
-    return _state.get_scale(opt_state)
+    return _search.get_scale(opt_state)
   except ValueError as e:
     raise ValueError(
       f"{caller} returns g(opt_state, *args, **kwargs): its first argument "

@@ -23,9 +23,15 @@ from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import overwrite as _overwrite
-from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import search as _search
 
-__all__ = ["LeafPlan", "LossScalePlan", "loss_scale_plan", "plan_of"]
+__all__ = [
+  "LeafPlan",
+  "LossScalePlan",
+  "float32_gradient_leaves",
+  "loss_scale_plan",
+  "plan_of",
+]
 
 #: How a gradient leaf reaches the inner optimizer.
 FLOAT32, OWN_DTYPE, OVERWRITTEN = "float32", "own dtype", "overwritten"
@@ -88,7 +94,7 @@ def plan_of(inner_state: Any, grads: Any) -> LossScalePlan:
   """
   overwrite = _overwrite.state_mask(inner_state, grads)
   regular = inner_state if overwrite is None else inner_state.inner_state
-  float32 = _state.float32_gradient_leaves(regular, grads)
+  float32 = float32_gradient_leaves(regular, grads)
   flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
   marks_32 = _marks(float32, treedef)
   marks_ow = _marks(overwrite, treedef)
@@ -130,10 +136,48 @@ def loss_scale_plan(opt_state: Any, grads: Any) -> LossScalePlan:
     ['b']   float32   own dtype    -
     ['w']   bfloat16  float32      -
   """
-  inner_state = _state.find_loss_scale_state(
+  inner_state = _search.find_loss_scale_state(
     _opt_state.optimizer_state(opt_state)
   ).inner_state
   return plan_of(inner_state, grads)
+
+
+def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
+  """Which leaves of ``grads`` an inner state keeps float32 masters for.
+
+  A :class:`~optax_lossscale._base.state_roles.KeepsFloat32Masters` state
+  (``master_weights``') holds, in its ``master`` field, a tree like the
+  parameters it was made for, with an array at each half-precision leaf it
+  keeps a float32 master of (``optax.MaskedNode`` or ``None`` elsewhere:
+  ``chain``, ``masked``, ``multi_transform``, ``MultiSteps`` and
+  ``inject_hyperparams`` keep the parameters' key paths). A leaf of
+  ``grads`` is marked when its key path is one of those and it is a
+  half-precision array: that leaf, and no other, reaches the inner
+  optimizer in float32. A fact of the state's structure, known when
+  tracing.
+
+  Returns:
+    A tree of bools like ``grads``, or ``None`` when no leaf is marked.
+  """
+  found = _tree.find_all(opt_state, _roles.keeps_masters)
+  if not found:
+    return None
+  kept = set()
+  for _, node in found:
+    flat = jax.tree_util.tree_flatten_with_path(node.master, is_leaf=_tree.is_variable)[
+      0
+    ]
+    kept.update(
+      _tree.keystr(path) for path, x in flat if _tree.is_array(_tree.unwrap(x))
+    )
+  flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  marks = [
+    _tree.keystr(path) in kept
+    and _tree.is_float_array(g)
+    and jnp.finfo(g.dtype).bits < 32
+    for path, g in flat
+  ]
+  return jax.tree.unflatten(treedef, marks) if any(marks) else None
 
 
 def _marks(tree: Any, treedef: Any) -> list[bool]:

@@ -16,7 +16,7 @@ import numpy as np
 
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import finite as _finite
-from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import search as _search
 from optax_lossscale._loss_scale import telemetry as _telemetry
 
 __all__ = [
@@ -147,7 +147,7 @@ def last_step_text(report: NonFiniteReport) -> str:
 
 def find_record(opt_state: Any, required: bool = True) -> Any:
   """The :class:`NonFiniteRecord` in ``opt_state`` (arrays fetched), or ``None``."""
-  found = _state.find_loss_scale_state(opt_state)
+  found = _search.find_loss_scale_state(opt_state)
   record = _tree.unwrap(found.nonfinite)
   if record is None:
     if required:

@@ -18,8 +18,9 @@ from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale import finite as _finite
 from optax_lossscale._loss_scale import guard as _guard
+from optax_lossscale._loss_scale import half_state as _half_state
 from optax_lossscale._loss_scale import report as _report
-from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import search as _search
 
 __all__ = ["NonFiniteStepsError", "check_skipped_steps"]
 
@@ -72,7 +73,7 @@ def check_skipped_steps(
   d = opt_state_or_diagnostics
   given_state = not (isinstance(d, dict) and "consecutive_skips" in d)
   if given_state:
-    d = _state.diagnostics(d)
+    d = _search.diagnostics(d)
   values = (d["consecutive_skips"], d["loss_scale"], d["skipped_steps"])
   if any(isinstance(v, jax.core.Tracer) for v in values):
     raise ValueError(
@@ -147,8 +148,8 @@ def _optimizer_suspects(opt_state: Any) -> str:
   updates), or that are float16 (state that under- and overflows; a
   ``kahan_summation`` compensation is float16 by design and not counted).
   """
-  inner = _tree.unwrap_variables(_state.find_loss_scale_state(opt_state).inner_state)
-  inner = _state.without_half_by_design(inner)
+  inner = _tree.unwrap_variables(_search.find_loss_scale_state(opt_state).inner_state)
+  inner = _half_state.without_half_by_design(inner)
   broken, half = [], []
   for path, x in jax.tree_util.tree_flatten_with_path(inner)[0]:
     if not _tree.is_float_array(x):

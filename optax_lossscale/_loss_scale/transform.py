@@ -22,10 +22,11 @@ from optax_lossscale._base import tree as _tree
 from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale import core as _core
+from optax_lossscale._loss_scale import half_state as _half_state
 from optax_lossscale._loss_scale import overwrite as _overwrite
 from optax_lossscale._loss_scale import plan as _plan
+from optax_lossscale._loss_scale import search as _search
 from optax_lossscale._loss_scale import skip as _skip
-from optax_lossscale._loss_scale import state as _state
 from optax_lossscale._loss_scale import telemetry as _telemetry
 from optax_lossscale._loss_scale.config import LossScaleConfig
 from optax_lossscale._loss_scale.core import LossScaleState
@@ -116,7 +117,7 @@ def loss_scale_transformation(
   def init_fn(params):
     has_overwrites = _overwrite.overwrite_mask(params) is not None
     inner_state = (overwriting if has_overwrites else recorded).init(params)
-    nested = _tree.find_all(inner_state, _state.is_loss_scale_state)
+    nested = _tree.find_all(inner_state, _search.is_loss_scale_state)
     if nested:
       paths = ", ".join(".inner_state" + jax.tree_util.keystr(p) for p, _ in nested)
       raise ValueError(
@@ -129,7 +130,7 @@ def loss_scale_transformation(
         "dynamic_loss_scale(optax.adam(1e-3)); LossScaleOptimizer and "
         "enable_mixed_precision add their own, so give them the bare one too."
       )
-    _state.warn_half_state(params, inner_state)
+    _half_state.warn_half_state(params, inner_state)
     record = _telemetry.initial_record(params) if track_nonfinite else None
     return _core.initial_state(config, inner_state, record)
 
@@ -242,7 +243,9 @@ def loss_scale_transformation(
     try:
       return step(plan.float32)
     except _skip.StateDtypesChanged:
-      warnings.warn(_HALF_STATE_MESSAGE, _state.HalfPrecisionStateWarning, stacklevel=2)
+      warnings.warn(
+        _HALF_STATE_MESSAGE, _half_state.HalfPrecisionStateWarning, stacklevel=2
+      )
       return step(None)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

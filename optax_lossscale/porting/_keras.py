@@ -22,7 +22,8 @@ from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale import finite as _finite
 from optax_lossscale._loss_scale import grad as _grad
 from optax_lossscale._loss_scale import overwrite as _overwrite
-from optax_lossscale._loss_scale import state as _state
+from optax_lossscale._loss_scale import plan as _plan
+from optax_lossscale._loss_scale import search as _search
 from optax_lossscale.porting import (
   _ema,
   _keras_config,
@@ -341,17 +342,17 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         f"`{what}` is kept by a Keras optimizer given by name (e.g. 'adam'); "
         "this LossScaleOptimizer wraps an optax transformation."
       )
-    return _state.find_loss_scale_state(state).inner_state
+    return _search.find_loss_scale_state(state).inner_state
 
   def loss_scale(self, state: Any) -> jax.Array:
     """The current float32 loss scale held in ``state``."""
-    return _state.get_scale(state)
+    return _search.get_scale(state)
 
   def dynamic_counter(self, state: Any) -> jax.Array | None:
     """Finite steps in a row since the scale last changed; ``None`` if fixed."""
     if not self._config["dynamic"]:
       return None
-    return _state.counters(state).good_steps
+    return _search.counters(state).good_steps
 
   def iterations(self, state: Any) -> jax.Array:
     """Keras' ``optimizer.iterations`` (Keras 3: applied steps, divided by the
@@ -376,7 +377,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       raise ValueError(
         "This optimizer's learning rate is a schedule: it cannot be set."
       )
-    counters = _state.find_loss_scale_state(state)
+    counters = _search.find_loss_scale_state(state)
     inner = counters.inner_state._replace(
       learning_rate=jnp.asarray(learning_rate, jnp.float32)
     )
@@ -414,10 +415,10 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     return _tf_step.UnscaledGradients(
       _core.unscale_tree(
         grads,
-        _state.get_scale(state),
+        _search.get_scale(state),
         self._loss_scale_factor,
         keep=_overwrite.mask_in(state),
-        float32=_state.float32_gradient_leaves(state, grads),
+        float32=_plan.float32_gradient_leaves(state, grads),
       )
     )
 
