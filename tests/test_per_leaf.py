@@ -364,3 +364,9 @@ def test_the_plan_names_flax_overwrite_leaves_and_refuses_a_state_without_them()
   state = tx.init({"params": params["params"]})
   with pytest.raises(ValueError, match="made without them"):
     ols.loss_scale_plan(state, params)
+
+
+def test_the_plan_of_a_state_without_a_loss_scale_is_a_clear_error():
+  params = {"w": jnp.ones(3)}
+  with pytest.raises(ValueError, match="No loss-scale state"):
+    ols.loss_scale_plan(optax.adam(1e-3).init(params), params)
