@@ -39,7 +39,6 @@ DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
 DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
 
 
-@_tree.rebuilt_as_itself
 class _Scale(NamedTuple):
   """The loss scale's arguments, as ``scale_args`` read them."""
 
@@ -165,6 +164,7 @@ def _core_loss_scale(
   return _Built(tx, None, inner, inner_config, config)
 
 
+@_tree.rebuilt_as_itself
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   """Keras' ``LossScaleOptimizer`` as an optax transformation.
 
