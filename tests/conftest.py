@@ -28,10 +28,13 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax  # noqa: E402
 
+# tests/data holds the checkpoints of test_checkpoint_compat.py and the
+# script that wrote them (run by hand; it needs Orbax): no test, no doctest.
+collect_ignore = ["data"]
 # tests/multidevice needs 8 (simulated) devices, which must be requested
 # before JAX starts: it runs in its own process (see the test command in README.md).
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  collect_ignore = ["multidevice"]
+  collect_ignore.append("multidevice")
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
