@@ -25,6 +25,7 @@ __all__ = [
   "is_float_array",
   "is_variable",
   "keystr",
+  "owner_path",
   "rebuilt_as_itself",
   "short",
   "unwrap",
@@ -106,6 +107,20 @@ def widen(x: Any) -> jax.Array:
 def keystr(path: Any) -> str:
   """A key path as ``jax.tree_util.keystr`` writes it; ``<root>`` for the root."""
   return jax.tree_util.keystr(tuple(path)) or "<root>"
+
+
+def owner_path(path: tuple, owners: Any) -> tuple | None:
+  """The longest tail of state leaf ``path`` that is in ``owners`` (the
+  parameters' key paths, as tuples): the parameter the leaf belongs to
+  (Adam's ``mu`` of ``['w']`` is at ``[0].mu['w']``), or ``None``.
+
+  >>> from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+  >>> w = (DictKey("w"),)
+  >>> owner_path((SequenceKey(0), GetAttrKey("mu"), DictKey("w")), {w}) == w
+  True
+  """
+  path = tuple(path)
+  return next((path[k:] for k in range(len(path) + 1) if path[k:] in owners), None)
 
 
 def short(treedef: Any, limit: int = 300) -> str:

@@ -199,14 +199,7 @@ def _quantized_by_owner(inner_state: Any, param_paths: list) -> dict[str, list[s
   for path, x in found:
     if not _roles.is_quantized(x):
       continue
-    owner = next(
-      (
-        owners[tuple(path[k:])]
-        for k in range(len(path) + 1)
-        if tuple(path[k:]) in owners
-      ),
-      None,
-    )
+    owner = owners.get(_tree.owner_path(path, owners))
     if owner is not None:
       desc = f"{_tree.keystr(path)} ({jnp.dtype(x.dtype)}, blocks of {x.block_size})"
       out.setdefault(owner, []).append(desc)

@@ -320,9 +320,8 @@ def quantize_state(
     groups: dict = {}
     for i, (path, t) in enumerate(with_paths):
       if _is_quantized(t):
-        owner = next(
-          (path[k:] for k in range(len(path) + 1) if path[k:] in owners), path
-        )
+        owner = _tree.owner_path(path, owners)
+        owner = path if owner is None else owner
         key = (owner, tuple(out[i].shape), _tree.explicit_spec(out[i]))
         groups.setdefault(key, []).append(i)
     for idx in groups.values():
