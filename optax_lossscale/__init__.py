@@ -87,7 +87,7 @@ from optax_lossscale._params.master import get_master_weights as get_master_weig
 from optax_lossscale._params.master import master_weights as master_weights
 from optax_lossscale._params.quantize_state import QuantizedLeaf as QuantizedLeaf
 from optax_lossscale._params.quantize_state import QuantizedState as QuantizedState
-from optax_lossscale._params.quantize_state import QuantizeState as QuantizeState
+from optax_lossscale._params.quantize_state import StateQuantizer as StateQuantizer
 from optax_lossscale._params.quantize_state import dequantize_state as dequantize_state
 from optax_lossscale._params.quantize_state import quantize_state as quantize_state
 from optax_lossscale.porting import EmaParamsState as EmaParamsState
@@ -117,9 +117,9 @@ __all__ = (
   "LossScaleState",
   "MasterWeights",
   "MasterWeightsState",
-  "QuantizeState",
   "QuantizedLeaf",
   "QuantizedState",
+  "StateQuantizer",
   "NonFiniteRecord",
   "NonFiniteReport",
   "NonFiniteStepsError",
@@ -169,7 +169,20 @@ __all__ = (
 _MOVED_TO_PORTING = frozenset(porting.__all__) - frozenset(__all__)
 
 
+#: Public names that changed, for one release: the old spelling warns.
+_RENAMED = {"QuantizeState": "StateQuantizer"}
+
+
 def __getattr__(name: str):
+  if name in _RENAMED:
+    _warnings.warn(
+      f"optax_lossscale.{name} is now optax_lossscale.{_RENAMED[name]} (the "
+      "transformation; its state is QuantizedState), and this spelling goes "
+      "in the next release.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return globals()[_RENAMED[name]]
   if name in _MOVED_TO_PORTING:
     _warnings.warn(
       f"optax_lossscale.{name} is now optax_lossscale.porting.{name}: the "

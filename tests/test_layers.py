@@ -15,6 +15,7 @@ import ast
 import functools
 import pathlib
 
+import optax
 import pytest
 
 import optax_lossscale as ols
@@ -242,6 +243,18 @@ def test_the_tensorflow_names_are_the_porting_packages_and_the_old_ones_warn():
     from optax_lossscale import LossScaleOptimizer  # noqa: F401
   with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
     ols.NoSuchName  # noqa: B018
+
+
+def test_a_renamed_name_warns_and_is_the_new_one():
+  # The transformation quantize_state returns, beside its state QuantizedState.
+  assert "StateQuantizer" in ols.__all__ and "QuantizeState" not in ols.__all__
+  assert "QuantizeState" not in vars(ols)
+  tx = ols.quantize_state(optax.adam(1e-3))
+  assert isinstance(tx, ols.StateQuantizer)
+  with pytest.warns(DeprecationWarning, match="optax_lossscale.StateQuantizer"):
+    assert ols.QuantizeState is ols.StateQuantizer
+  with pytest.warns(DeprecationWarning, match="StateQuantizer"):
+    from optax_lossscale import QuantizeState  # noqa: F401
 
 
 def test_a_loss_scale_object_is_found_by_the_state_search():

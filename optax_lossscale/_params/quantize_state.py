@@ -54,8 +54,8 @@ from optax_lossscale._params.quantize_codec import (
 
 __all__ = [
   "QuantizedLeaf",
-  "QuantizeState",
   "QuantizedState",
+  "StateQuantizer",
   "dequantize_state",
   "dynamic_map",
   "quantize_state",
@@ -85,8 +85,9 @@ class QuantizedState(NamedTuple):
 
 
 @_tree.rebuilt_as_itself
-class QuantizeState(optax.GradientTransformationExtraArgs):
-  """What :func:`quantize_state` returns: an optax transformation.
+class StateQuantizer(optax.GradientTransformationExtraArgs):
+  """What :func:`quantize_state` returns: an optax transformation (its
+  state is a :class:`QuantizedState`).
 
   Attributes:
     inner: the wrapped transformation.
@@ -137,7 +138,7 @@ def quantize_state(
   store_sqrt: bool = True,
   rounding: str = "nearest",
   select: Callable[[tuple, Any], bool] | None = None,
-) -> QuantizeState:
+) -> StateQuantizer:
   """``inner`` with its moments stored in 8 bits, blockwise.
 
   A leaf of ``inner``'s state is quantised when it is a moment, a real
@@ -199,7 +200,7 @@ def quantize_state(
       state is checked) returning ``True`` or ``False``.
 
   Returns:
-    A :class:`QuantizeState` (an ``optax.GradientTransformationExtraArgs``)
+    A :class:`StateQuantizer` (an ``optax.GradientTransformationExtraArgs``)
     whose state is a :class:`QuantizedState`.
 
   Raises:
@@ -341,7 +342,7 @@ def quantize_state(
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
     return new_updates, QuantizedState(requantized(state.inner_state, new_inner, like))
 
-  return QuantizeState(
+  return StateQuantizer(
     init_fn,
     update_fn,
     inner,
