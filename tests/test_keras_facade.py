@@ -509,8 +509,11 @@ def test_the_check_sees_the_gradients_divided_by_loss_scale_factor():
   updates, state = jax.jit(opt.update)(grads, state, params)
   chex.assert_trees_all_equal(updates, {"w": jnp.zeros(2, jnp.float16)})
   assert int(state.skipped_steps) == 1
-  # And a factor that divides out to finite values is applied exactly.
-  grads = {"w": jnp.full(2, 4.0, jnp.float16)}
+  # Keras 3 halves the scale with no floor at 1 (tf_keras stops at 1).
+  assert float(opt.loss_scale(state)) == 0.5
+  # And a factor that divides out to finite values is applied exactly:
+  # 2 / 0.5 (the scale) / 0.5 (the factor) = 8.
+  grads = {"w": jnp.full(2, 2.0, jnp.float16)}
   updates, state = jax.jit(opt.update)(grads, state, params)
   new = optax.apply_updates(params, updates)
   chex.assert_trees_all_equal(new, {"w": jnp.full(2, 1 - 0.08, jnp.float16)})
@@ -658,3 +661,288 @@ def test_one_config_parser_on_both_paths(form, core):
   state = opt.init(params)
   updates, _ = opt.update({"w": jnp.ones(3) * 1e3}, state, params)
   assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
+# --------------------------------------------------------------------------
+# Every from_config: unknown keys refused, a valid config round-trips.
+# --------------------------------------------------------------------------
+
+P = ols.porting
+# name: (the object, a key of another class of this table)
+FROM_CONFIG = {
+  "DynamicLossScale, ours": (
+    lambda: P.DynamicLossScale(1024.0, growth_interval=7, hysteresis=2),
+    "loss_scale_value",
+  ),
+  "DynamicLossScale, TensorFlow's": (
+    lambda: P.DynamicLossScale(initial_loss_scale=64.0, increment_period=3),
+    "skip_nonfinite",
+  ),
+  "StaticLossScale, skipping": (lambda: P.StaticLossScale(8.0), "growth_interval"),
+  "StaticLossScale, TensorFlow's FixedLossScale": (
+    lambda: P.StaticLossScale(8.0, skip_nonfinite=False),
+    "skip_nonfinite",
+  ),
+  "NoOpLossScale": (lambda: P.NoOpLossScale(), "scale"),
+  "LossScaleOptimizer, by name": (
+    lambda: P.LossScaleOptimizer("sgd", 8.0, 3, clipnorm=1.0),
+    "initial_loss_scale",
+  ),
+  "LossScaleOptimizer, tf_keras": (
+    lambda: P.LossScaleOptimizer("adam", legacy_keras=True, use_ema=True),
+    "loss_scale_value",
+  ),
+  "LossScaleOptimizer, optax": (
+    lambda: P.LossScaleOptimizer(optax.sgd(0.1), min_scale=2.0),
+    "growth_interval",
+  ),
+  "ExperimentalLossScaleOptimizer": (
+    lambda: P.ExperimentalLossScaleOptimizer("sgd", loss_scale=123.0),
+    "scale",
+  ),
+}
+
+
+def _rebuilt(obj, config):
+  return type(obj).from_config(config)
+
+
+@pytest.mark.parametrize("case", ["an unknown key", "a key of another class"])
+@pytest.mark.parametrize("name", FROM_CONFIG)
+def test_from_config_refuses_keys_it_does_not_read(name, case):
+  """A key the class does not read is a ValueError naming it, never dropped."""
+  make, other = FROM_CONFIG[name]
+  obj = make()
+  key = "bogus" if case == "an unknown key" else other
+  config = {**obj.get_config(), key: 1}
+  with pytest.raises(ValueError, match=rf"unknown key\(s\) '{key}'"):
+    _rebuilt(obj, config)
+
+
+@pytest.mark.parametrize("name", FROM_CONFIG)
+def test_from_config_round_trips(name):
+  obj = FROM_CONFIG[name][0]()
+  again = _rebuilt(obj, obj.get_config())
+  assert type(again) is type(obj)
+  assert again.get_config() == obj.get_config()
+  if isinstance(obj, P.LossScale):
+    assert again.config == obj.config
+
+
+@pytest.mark.parametrize(
+  "config, key",
+  [
+    ({"optimizer": "sgd", "loss_scale": "dynamic", "bogus": 1}, "bogus"),
+    ({"optimizer": "sgd", "loss_scale": {"class_name": "FixedLossScale",
+      "config": {"loss_scale_value": 8.0, "skip_nonfinite": True}}},
+     "skip_nonfinite"),
+    ({"optimizer": "sgd", "loss_scale": {"class_name": "DynamicLossScale",
+      "config": {"initial_loss_scale": 8.0, "bogus": 2}}}, "bogus"),
+    ({"optimizer": "sgd", "initial_scale": 8.0, "loss_scale": {
+      "class_name": "FixedLossScale", "config": {"loss_scale_value": 8.0}}},
+     "initial_scale"),
+  ],
+)  # fmt: skip
+def test_from_config_tensorflow_2_3_form_refuses_keys(config, key):
+  """TensorFlow 2.3's form (``optimizer`` and ``loss_scale``) is checked too,
+  the nested ``LossScale`` config included; the two forms are not mixed."""
+  with pytest.raises(ValueError, match=rf"unknown key\(s\) '{key}'"):
+    P.LossScaleOptimizer.from_config(config)
+
+
+def test_from_config_reads_keras_3_metadata():
+  """Keras 3's own config (``name``, the inner optimizer's ``module`` and
+  ``registered_name``), as ``keras.optimizers.LossScaleOptimizer`` writes it."""
+  keras3 = {
+    "name": "my_lso",
+    "inner_optimizer": {
+      "module": "keras.optimizers",
+      "class_name": "SGD",
+      "config": {
+        "name": "sgd", "learning_rate": 0.1, "weight_decay": None,
+        "clipnorm": None, "global_clipnorm": None, "clipvalue": None,
+        "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
+        "loss_scale_factor": None, "gradient_accumulation_steps": None,
+        "momentum": 0.9, "nesterov": False,
+      },
+      "registered_name": None,
+    },
+    "initial_scale": 8.0,
+    "dynamic_growth_steps": 2000,
+  }  # fmt: skip
+  opt = P.LossScaleOptimizer.from_config(keras3)
+  assert opt.get_config()["name"] == "my_lso"
+  assert (opt.initial_scale, dict(opt.inner_optimizer.hyper)["momentum"]) == (8.0, 0.9)
+  assert P.LossScaleOptimizer("sgd").get_config()["name"] == "loss_scale_optimizer"
+
+
+def test_fixed_loss_scale_takes_float32_max():
+  """TensorFlow's FixedLossScale takes any value up to float32's largest."""
+  big = float(np.finfo(np.float32).max)
+  for skip in (False, True):
+    ls = P.StaticLossScale(big, skip_nonfinite=skip)
+    assert float(ls()) == big
+    assert P.StaticLossScale.from_config(ls.get_config()).config == ls.config
+    ls2, ok = ls.update([jnp.float32(1.0)])
+    assert bool(ok) and float(ls2()) == big
+  with pytest.raises(ValueError, match="not finite in float32"):
+    P.StaticLossScale(1e39)
+  with pytest.raises(ValueError, match="2\\*\\*-126"):
+    P.StaticLossScale(2.0**-127)
+
+
+# --------------------------------------------------------------------------
+# Keras 3's rule: a backoff halves with no floor; tf_keras floors at 1.
+# --------------------------------------------------------------------------
+
+
+def _rule_reference(initial, growth, finite_seq, floor):
+  """TensorFlow's and Keras' rule, written out in NumPy float32."""
+  scale, good, out = np.float32(initial), 0, []
+  for finite in finite_seq:
+    if finite:
+      good += 1
+      if good >= growth:
+        grown = scale * np.float32(2)
+        scale, good = (grown if np.isfinite(grown) else scale), 0
+    else:
+      scale, good = scale / np.float32(2), 0
+      if floor:
+        scale = max(scale, np.float32(1))
+    out.append(float(scale))
+  return out
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras 3", "tf_keras"])
+@pytest.mark.parametrize("initial", [2.0**-10, 3.0, 2.0**100])
+def test_the_dynamic_scale_step_by_step(initial, legacy):
+  """Growth 3, then two overflows, four times: from 2**-10 Keras 3's scale
+  keeps halving below 1, tf_keras' backs off to no less than 1."""
+  finite_seq = ([True] * 3 + [False] * 2) * 4
+  opt = P.LossScaleOptimizer("sgd", initial, 3, legacy_keras=legacy)
+  params = {"w": jnp.ones(2)}
+  state = opt.init(params)
+  step = jax.jit(opt.apply_gradients)
+  scales = []
+  for finite in finite_seq:
+    grads = {"w": jnp.full(2, 1.0 if finite else jnp.inf)}
+    params, state = step(grads, state, params)
+    scales.append(float(opt.loss_scale(state)))
+  assert scales == _rule_reference(initial, 3, finite_seq, floor=legacy)
+  if initial == 2.0**-10:  # after the first backoff (step 4)
+    assert (min(scales[3:]) < 1) == (not legacy)
+
+
+# --------------------------------------------------------------------------
+# get_ema_params reads every average the library keeps.
+# --------------------------------------------------------------------------
+
+EMA_FORMS = {
+  "ema_params": (lambda: P.ema_params(0.5), "keras 3"),
+  "chain(sgd, ema_params)": (
+    lambda: optax.chain(optax.sgd(0.1), P.ema_params(0.5)),
+    "keras 3",
+  ),
+  "LossScaleOptimizer(optax, use_ema)": (
+    lambda: P.LossScaleOptimizer(optax.sgd(0.1), 8.0, use_ema=True, ema_momentum=0.5),
+    "keras 3",
+  ),
+  "LossScaleOptimizer(name, use_ema)": (
+    lambda: P.LossScaleOptimizer("sgd", 8.0, use_ema=True, ema_momentum=0.5),
+    "keras 3",
+  ),
+  "LossScaleOptimizer(name, use_ema, accumulation)": (
+    lambda: P.LossScaleOptimizer(
+      "adam", 8.0, use_ema=True, ema_momentum=0.5, gradient_accumulation_steps=1 + 1
+    ),
+    "keras 3, accumulation 2",
+  ),
+  "LossScaleOptimizer(name, use_ema, legacy_keras)": (
+    lambda: P.LossScaleOptimizer(
+      "sgd", 8.0, use_ema=True, ema_momentum=0.5, legacy_keras=True
+    ),
+    "tf_keras",
+  ),
+}
+
+
+@pytest.mark.parametrize("form", EMA_FORMS)
+def test_get_ema_params_reads_every_average(form):
+  """The average, against NumPy's over the recorded weights: Keras 3 (and
+  ema_params) start at the first new weights, tf_keras at the initial ones."""
+  make, kind = EMA_FORMS[form]
+  tx = make()
+  params = {"w": jnp.array([1.0, -2.0, 3.0])}
+  state = tx.init(params)
+  history = [np.asarray(params["w"])]
+  for i in range(4):
+    grads = {"w": jnp.array([0.5, 1.0, -1.5]) * (i + 1) * 8.0}
+    updates, state = tx.update(grads, state, params)
+    params = optax.apply_updates(params, updates)
+    history.append(np.asarray(params["w"]))
+  m = np.float32(0.5)
+  if kind == "tf_keras":
+    ema = history[0]
+    for p in history[1:]:
+      ema = m * ema + (1 - m) * p
+  else:
+    every = 2 if "accumulation" in kind else 1
+    applied = history[every::every]
+    ema = applied[0]
+    for p in applied[1:]:
+      ema = m * ema + (1 - m) * p
+  got = P.get_ema_params(state)["w"]
+  np.testing.assert_allclose(np.asarray(got), ema, rtol=1e-6)
+  final = P.finalize_variable_values(params, state)["w"]
+  np.testing.assert_allclose(np.asarray(final), ema, rtol=1e-6)
+
+
+# --------------------------------------------------------------------------
+# Errors that say what to write; help() shows the signature.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+  "call, match",
+  [
+    (lambda: P.LossScaleOptimizer("adam", learning_rate=1e-3),
+     r"LossScaleOptimizer\(\{'class_name': 'adam', 'config': "
+     r"\{'learning_rate': 0.001\}\}"),
+    (lambda: P.LossScaleOptimizer(optax.adam(1e-3), beta_1=0.5),
+     r"optax.adam\(learning_rate=...\)"),
+    (lambda: P.LossScaleOptimizer("sgd").get_scaled_loss(1.0),
+     r"opt.get_scaled_loss\(loss, state\)"),
+    (lambda: P.LossScaleOptimizer("sgd").scale_loss(1.0),
+     r"opt.scale_loss\(loss, state\)"),
+    (lambda: P.LossScaleOptimizer("sgd").get_unscaled_gradients({"w": jnp.ones(1)}),
+     r"opt.get_unscaled_gradients\(grads, state\)"),
+  ],
+)  # fmt: skip
+def test_errors_say_what_to_write(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+@pytest.mark.parametrize(
+  "cls", [P.LossScaleOptimizer, P.ExperimentalLossScaleOptimizer]
+)
+def test_help_shows_the_constructor(cls):
+  import inspect
+  import pydoc
+
+  text = pydoc.render_doc(cls.__init__)
+  assert "Initialize self" not in text
+  assert cls.__doc__.splitlines()[0] in text
+  params = list(inspect.signature(cls.__init__).parameters)
+  assert params[1:] == list(inspect.signature(cls.__new__).parameters)[1:]
+  assert "inner_optimizer" in params or "loss_scale" in params
+
+
+def test_a_callable_loss_gives_a_callable():
+  """TensorFlow's get_scaled_loss of a callable returns a callable."""
+  loss = lambda x: x * 3.0  # noqa: E731
+  ls = P.DynamicLossScale(8.0)
+  assert float(ls.scale_loss(loss)(jnp.float32(2.0))) == 48.0
+  opt = P.LossScaleOptimizer("sgd", 8.0)
+  state = opt.init({"w": jnp.ones(1)})
+  assert float(opt.get_scaled_loss(loss, state)(jnp.float32(2.0))) == 48.0

@@ -421,7 +421,7 @@ def test_keras_serialization_and_backwards_compatibility():
 
 
 def test_keras_unsupported_and_dynamic_args():
-  with pytest.raises(TypeError, match="foo"):
+  with pytest.raises(ValueError, match="foo=True, bar=3"):
     ols.porting.LossScaleOptimizer(_sgd(0.5), foo=True, bar=3)
   ols.porting.LossScaleOptimizer(_sgd(0.5), dynamic=True)
   with pytest.raises(ValueError, match="initial_scale"):

@@ -66,6 +66,8 @@ class LossScaleConfig:
       by ``growth_factor`` and floors at 1, and nothing else moves the
       scale, so any positive finite initial scale is kept until it grows or
       backs off; a fixed scale keeps the state's scale and counter.
+      ``"keras"``: the same, but a backoff only divides (no floor, as Keras
+      3's ``LossScaleOptimizer``: a scale below 1 keeps halving).
   """
 
   initial_scale: float = DEFAULT_INITIAL_SCALE
@@ -86,7 +88,7 @@ class LossScaleConfig:
 
 
 #: How the bounds apply to a dynamic scale (:class:`LossScaleConfig`'s ``bounds``).
-BOUNDS = ("clamp", "tensorflow")
+BOUNDS = ("clamp", "tensorflow", "keras")
 
 
 def dynamic_config(

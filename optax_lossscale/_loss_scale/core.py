@@ -280,7 +280,8 @@ def adjust(
   state's scale is below 1 and the configuration's scales are not. Under
   ``"tensorflow"`` it is TensorFlow's rule (``LossScaleConfig.bounds``):
   growth only to a finite float32, a backoff to ``max(scale /
-  growth_factor, 1)``, no clamp.
+  growth_factor, 1)``, no clamp; under ``"keras"`` (Keras 3's) the backoff
+  is ``scale / growth_factor``, with no floor.
 
   Returns:
     ``(new state, should_apply)``: whether this step's update is applied.
@@ -290,7 +291,7 @@ def adjust(
   should_apply = finite if config.skip_nonfinite else jnp.array(True)
   if config.noop:
     return s, should_apply
-  tensorflow = config.bounds == "tensorflow"
+  tensorflow = config.bounds in ("tensorflow", "keras")
   if config.dynamic:
     good = s.good_steps + 1
     grow = jnp.logical_and(finite, good >= config.growth_interval)
@@ -303,7 +304,9 @@ def adjust(
       # TensorFlow's bounds: growth kept only while finite, a backoff
       # divided by the multiplier and floored at 1, nothing clipped.
       grown = jnp.where(jnp.isfinite(grown), grown, s.loss_scale)
-      backed_off = jnp.maximum(s.loss_scale / config.growth_factor, 1.0)
+      backed_off = s.loss_scale / config.growth_factor
+      if config.bounds == "tensorflow":
+        backed_off = jnp.maximum(backed_off, 1.0)
     else:
       backed_off = s.loss_scale * config.backoff_factor
     scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, s.loss_scale))

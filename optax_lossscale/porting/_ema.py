@@ -16,6 +16,7 @@ import optax
 from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
+from optax_lossscale.porting._keras_engine import KerasOptimizerState
 
 
 class EmaParamsState(NamedTuple):
@@ -121,21 +122,32 @@ def ema_params(
 
 
 def _is_ema_state(x: Any) -> bool:
-  return isinstance(x, EmaParamsState)
+  """A state that keeps an average of the weights: :func:`ema_params`'s, or
+  the Keras optimizer's of ``LossScaleOptimizer(name, use_ema=True)``."""
+  if isinstance(x, EmaParamsState):
+    return True
+  return isinstance(x, KerasOptimizerState) and x.ema is not None
 
 
 def get_ema_params(opt_state: Any) -> optax.Params:
-  """The averaged parameters kept by the one :func:`ema_params` in ``opt_state``.
+  """The averaged parameters: the one average of the weights in ``opt_state``.
 
-  Leaves are in at least float32; :func:`finalize_variable_values` casts them
-  to the parameters' dtypes. ``opt_state`` may also be a Flax ``TrainState``
-  or ``nnx.Optimizer``.
+  The average is that of an :func:`ema_params` (also inside the porting
+  ``LossScaleOptimizer`` of an optax transformation with ``use_ema=True``),
+  or of the Keras optimizer of ``LossScaleOptimizer(name, use_ema=True)``
+  (Keras' ``_model_variables_moving_average``: zeros before Keras 3's first
+  applied step, the initial weights for tf_keras). :func:`ema_params`'
+  leaves are in at least float32, Keras' in the weights' dtypes;
+  :func:`finalize_variable_values` casts them to the parameters' dtypes.
+  ``opt_state`` may also be a Flax ``TrainState`` or ``nnx.Optimizer``.
 
   Raises:
-    ValueError: no :func:`ema_params` state in ``opt_state``, or several.
+    ValueError: no average in ``opt_state``, or several.
   """
   state = _tree.find_unique(
-    _opt_state.optimizer_state(opt_state), _is_ema_state, "ema_params state"
+    _opt_state.optimizer_state(opt_state),
+    _is_ema_state,
+    "ema_params state",
   )
   return _tree.unwrap_variables(state.ema)
 

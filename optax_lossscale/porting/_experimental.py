@@ -12,12 +12,13 @@ from typing import Any
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
-from optax_lossscale.porting import _loss_scale, _tf_rule
+from optax_lossscale.porting import _keras, _loss_scale, _tf_rule
 from optax_lossscale.porting._keras import LossScaleOptimizer
 
 __all__ = ["ExperimentalLossScaleOptimizer"]
 
 
+@_keras.documented_init
 @_tree.rebuilt_as_itself
 class ExperimentalLossScaleOptimizer(LossScaleOptimizer):
   """The deprecated ``tf.keras.mixed_precision.experimental.LossScaleOptimizer``.

@@ -9,6 +9,7 @@ loss scale. Either way it is an optax ``GradientTransformationExtraArgs``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -37,6 +38,56 @@ from optax_lossscale.porting._keras_engine import BaseArgs, KerasOptimizerState
 #: Keras' and TensorFlow's default ``dynamic_growth_steps`` and initial scale.
 DEFAULT_GROWTH_STEPS = _config.DEFAULT_GROWTH_INTERVAL
 DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
+#: Keras 3's name of a ``LossScaleOptimizer``.
+DEFAULT_NAME = "loss_scale_optimizer"
+
+
+def _unexpected_message(inner: Any, unexpected: dict[str, Any]) -> str:
+  """What to write instead of an optimizer's hyper-parameters as keywords."""
+  given = ", ".join(f"{k}={v!r}" for k, v in unexpected.items())
+  head = f"LossScaleOptimizer got unexpected keyword argument(s) {given}."
+  if isinstance(inner, str):
+    hyper = ", ".join(f"{k!r}: {v!r}" for k, v in unexpected.items())
+    return (
+      f"{head} An optimizer's own hyper-parameters go in its config, as "
+      "Keras takes them on the inner optimizer: write "
+      f"LossScaleOptimizer({{'class_name': {inner!r}, 'config': {{{hyper}}}}}, "
+      "...)."
+    )
+  if _keras_config.is_transformation(inner):
+    return (
+      f"{head} The inner optax transformation carries its own "
+      "hyper-parameters (e.g. optax.adam(learning_rate=...))."
+    )
+  return f"{head} Put an optimizer's hyper-parameters in its config's 'config'."
+
+
+def documented_init(cls: type) -> type:
+  """Gives ``cls``, built in ``__new__``, an ``__init__`` that ``help()``
+  shows with ``__new__``'s signature and the class docstring (a tuple's
+  inherited one reads "Initialize self")."""
+  sig = inspect.signature(cls.__new__)
+  first, *rest = sig.parameters.values()
+
+  def __init__(self, *args, **kwargs):  # noqa: N807 (the object is made in __new__)
+    del self, args, kwargs
+
+  __init__.__signature__ = sig.replace(parameters=[first.replace(name="self"), *rest])
+  __init__.__doc__ = cls.__doc__
+  __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+  __init__.__module__ = cls.__module__
+  cls.__init__ = __init__
+  return cls
+
+
+def _with_state(method: str, state: Any, example: str) -> None:
+  """A clear error for a call without the optimizer state."""
+  if state is None:
+    raise ValueError(
+      f"{method} needs the optimizer state: the loss scale lives in the "
+      f"state that init() and update() return (optax's way), not in the "
+      f"optimizer object as in TensorFlow. Write {example}."
+    )
 
 
 class _Scale(NamedTuple):
@@ -164,6 +215,7 @@ def _core_loss_scale(
   return _Built(tx, None, inner, inner_config, config)
 
 
+@documented_init
 @_tree.rebuilt_as_itself
 class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   """Keras' ``LossScaleOptimizer`` as an optax transformation.
@@ -214,9 +266,15 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       build optax's optimizer of that name (optax's argument names in its
       config) in the core's loss scale, not Keras' formulas.
     axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
+    name: Keras 3's optimizer name, kept in :meth:`get_config` (default
+      ``"loss_scale_optimizer"``, Keras 3's).
 
   Raises:
-    ValueError: any invalid argument; the message names it.
+    ValueError: any invalid argument; the message names it. An optimizer's
+      own hyper-parameters (``learning_rate=``, ``beta_1=``) are not
+      arguments of ``LossScaleOptimizer``, as in Keras: the message says to
+      write ``LossScaleOptimizer({"class_name": "adam", "config":
+      {"learning_rate": ...}})``.
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
@@ -253,10 +311,18 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     hysteresis: int | None = None,
     axis_name: Any = None,
     track_nonfinite: bool = False,
+    name: str | None = None,
+    **unexpected: Any,
   ):
-    for name, flag in (("dynamic", dynamic), ("legacy_keras", legacy_keras)):
+    if unexpected:
+      raise ValueError(_unexpected_message(inner_optimizer, unexpected))
+    for arg, flag in (("dynamic", dynamic), ("legacy_keras", legacy_keras)):
       if not isinstance(flag, bool):
-        raise ValueError(f"`{name}` must be a bool, got {flag!r}.")
+        raise ValueError(f"`{arg}` must be a bool, got {flag!r}.")
+    if name is None:
+      name = DEFAULT_NAME
+    if not isinstance(name, str):
+      raise ValueError(f"`name` must be a string, got {name!r}.")
     initial_scale, dynamic_growth_steps = _keras_config.scale_args(
       dynamic, initial_scale, dynamic_growth_steps
     )
@@ -295,7 +361,11 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     self._keras = built.keras
     self._inner = built.inner
     self._loss_scale_factor = built.config["loss_scale_factor"]
-    self._config = {"inner_optimizer": built.inner_config, **built.config}
+    self._config = {
+      "name": name,
+      "inner_optimizer": built.inner_config,
+      **built.config,
+    }
     return self
 
   def __repr__(self):
@@ -319,8 +389,14 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     Reads :meth:`get_config`'s output and the configurations Keras 3,
     tf_keras and TensorFlow 2.3 write (``loss_scale`` holding a
     ``FixedLossScale`` or ``DynamicLossScale``).
+
+    Raises:
+      ValueError: a key that is none of the constructor's arguments (nor,
+        in TensorFlow 2.3's form, ``optimizer``, ``loss_scale`` and
+        ``name``), as Keras 3 refuses it: nothing is dropped silently.
     """
-    return LossScaleOptimizer.__new__(cls, **_keras_config.lso_kwargs(config))
+    accepted = _keras_config.constructor_keys(LossScaleOptimizer)
+    return LossScaleOptimizer.__new__(cls, **_keras_config.lso_kwargs(config, accepted))
 
   def __getattr__(self, name):
     # Every constructor argument is readable as an attribute (Keras' style).
@@ -385,21 +461,31 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
   # -- the loss-scaling operations -----------------------------------------
 
-  def scale_loss(self, loss: Any, state: Any) -> jax.Array:
-    """``loss * loss_scale * loss_scale_factor``, in at least float32."""
+  def scale_loss(self, loss: Any, state: Any = None) -> jax.Array:
+    """``loss * loss_scale * loss_scale_factor``, in at least float32.
+
+    Raises:
+      ValueError: ``state`` is not given (the message says what to write).
+    """
+    _with_state("scale_loss", state, "opt.scale_loss(loss, state)")
     scaled = _grad.scale_loss(loss, state)
     if self._loss_scale_factor is None:
       return scaled
     return _core.scale_value(scaled, self._loss_scale_factor)
 
-  def get_scaled_loss(self, loss: Any, state: Any) -> Any:
+  def get_scaled_loss(self, loss: Any, state: Any = None) -> Any:
     """TensorFlow's name: :meth:`scale_loss`, or for a callable loss a
-    callable returning the scaled loss."""
+    callable returning the scaled loss (as TensorFlow returns one).
+
+    Raises:
+      ValueError: ``state`` is not given (the message says what to write).
+    """
+    _with_state("get_scaled_loss", state, "opt.get_scaled_loss(loss, state)")
     if callable(loss):
       return lambda *args, **kwargs: self.scale_loss(loss(*args, **kwargs), state)
     return self.scale_loss(loss, state)
 
-  def get_unscaled_gradients(self, grads: Any, state: Any) -> Any:
+  def get_unscaled_gradients(self, grads: Any, state: Any = None) -> Any:
     """Gradients of :meth:`scale_loss`'s loss divided back, marked unscaled.
 
     Multiplied by the scale's float32 reciprocal, as TensorFlow does. The
@@ -409,7 +495,13 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     twice. Flax's float8 overwrite leaves are returned as they are; with a
     :func:`master_weights` inner optimizer, half-precision gradients come
     back in float32, as ``update`` hands them to it.
+
+    Raises:
+      ValueError: ``state`` is not given (the message says what to write).
     """
+    _with_state(
+      "get_unscaled_gradients", state, "opt.get_unscaled_gradients(grads, state)"
+    )
     grads, _ = _tf_step.unwrap(grads)
     _tree.array_leaves(grads)
     return _tf_step.UnscaledGradients(

@@ -10,6 +10,7 @@ arguments.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,7 @@ from optax_lossscale._loss_scale import config as _config
 
 __all__ = [
   "BASE_DEFAULTS",
+  "checked_config",
   "core_config",
   "inner_parts",
   "lso_kwargs",
@@ -43,6 +45,52 @@ BASE_DEFAULTS: dict[str, Any] = {
 }
 # Keys of a Keras optimizer config that carry nothing here.
 _IGNORED = ("name", "jit_compile", "is_legacy_optimizer")
+
+
+def checked_config(
+  owner: str, config: Any, accepted: Any, *, form: str = ""
+) -> dict[str, Any]:
+  """``config`` as a new dict, once every key is one ``owner`` reads.
+
+  The one check behind every ``from_config`` of this package: a key the
+  constructor does not take would otherwise be dropped (its setting lost)
+  or reach the constructor as a bare ``TypeError``.
+
+  Args:
+    owner: the class, for the message (``"StaticLossScale"``).
+    config: the configuration, a mapping with string keys.
+    accepted: the keys ``owner`` reads (for this form of its config).
+    form: which form of the config ``accepted`` is, for the message.
+
+  Raises:
+    ValueError: ``config`` is not a mapping, or holds a key not in
+      ``accepted`` (the message names the keys, and those it reads).
+  """
+  if not isinstance(config, Mapping):
+    raise ValueError(
+      f"{owner}.from_config takes a dict (what get_config returns), got "
+      f"{type(config).__name__}: {config!r}."
+    )
+  accepted = set(accepted)
+  unknown = [k for k in config if k not in accepted]
+  if unknown:
+    where = f" in {form}" if form else ""
+    raise ValueError(
+      f"{owner}.from_config: unknown key(s) {', '.join(map(repr, unknown))}"
+      f"{where}; it reads {', '.join(map(repr, sorted(accepted))) or 'none'}. "
+      "Nothing is "
+      "dropped silently: remove the key, or build the object of the class "
+      "that takes it."
+    )
+  return dict(config)
+
+
+def constructor_keys(cls: type) -> tuple[str, ...]:
+  """The keyword arguments ``cls(...)`` takes (its ``__init__``'s or ``__new__``'s)."""
+  fn = cls.__new__ if cls.__new__ is not object.__new__ else cls.__init__
+  params = list(inspect.signature(fn).parameters.values())[1:]
+  kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+  return tuple(p.name for p in params if p.kind in kinds)
 
 
 def is_transformation(inner: Any) -> bool:
@@ -120,7 +168,16 @@ def merge_base(given: dict[str, Any], from_inner: dict[str, Any]) -> dict[str, A
   return out
 
 
-def lso_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
+#: The keys of TensorFlow 2.3's ``LossScaleOptimizer`` config.
+TF23_KEYS = ("optimizer", "loss_scale", "name")
+#: The config keys of TensorFlow's ``LossScale`` classes.
+TF_LOSS_SCALE_KEYS = {
+  "FixedLossScale": ("loss_scale_value",),
+  "DynamicLossScale": ("initial_loss_scale", "increment_period", "multiplier"),
+}
+
+
+def lso_kwargs(config: Mapping[str, Any], accepted: Any) -> dict[str, Any]:
   """This package's ``LossScaleOptimizer`` arguments for any ``get_config``.
 
   Reads this package's own configs, Keras 3's (``name``, ``inner_optimizer``,
@@ -128,18 +185,42 @@ def lso_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
   well) and TensorFlow 2.3's (``optimizer`` and a ``loss_scale`` holding a
   ``FixedLossScale`` or ``DynamicLossScale`` config).
 
+  Args:
+    config: the configuration.
+    accepted: the keys of ``LossScaleOptimizer``'s own configs (its
+      constructor's arguments).
+
   Raises:
-    ValueError: a ``loss_scale`` of another class or with a multiplier other
-      than 2 (as tf_keras refuses them).
+    ValueError: a key that no form of the configuration has (the message
+      names it), or a ``loss_scale`` of another class or with a multiplier
+      other than 2 (as tf_keras refuses them).
   """
-  config = dict(config)
-  config.pop("name", None)
   if "loss_scale" in config:
     from optax_lossscale.porting import _tf_rule
 
+    config = checked_config(
+      "LossScaleOptimizer",
+      config,
+      TF23_KEYS,
+      form="TensorFlow 2.3's config (`optimizer` and `loss_scale`)",
+    )
     ls = config.pop("loss_scale")
     ls_class = ls.get("class_name") if isinstance(ls, Mapping) else None
+    if ls_class in TF_LOSS_SCALE_KEYS:
+      ls = checked_config(
+        "LossScaleOptimizer",
+        ls,
+        ("class_name", "config", "module", "registered_name"),
+        form="`loss_scale`",
+      )
     ls_config = dict(ls.get("config", {})) if isinstance(ls, Mapping) else {}
+    if ls_class in TF_LOSS_SCALE_KEYS:
+      checked_config(
+        "LossScaleOptimizer",
+        ls_config,
+        TF_LOSS_SCALE_KEYS[ls_class],
+        form=f"the `loss_scale`'s {ls_class} config",
+      )
     if ls_class == "FixedLossScale":
       config["dynamic"] = False
       config["initial_scale"] = _tf_rule.fixed_value(ls_config)
@@ -158,7 +239,8 @@ def lso_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
         f"FixedLossScale nor a DynamicLossScale cannot be read: {ls!r}."
       )
     config["inner_optimizer"] = config.pop("optimizer")
-  return config
+    return config
+  return checked_config("LossScaleOptimizer", config, accepted)
 
 
 def set_inner(state: Any, counters: Any, inner: Any) -> Any:

@@ -27,7 +27,7 @@ from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale import finite as _finite
 from optax_lossscale._loss_scale.config import LossScaleConfig
 from optax_lossscale._loss_scale.core import LossScaleState
-from optax_lossscale.porting import _tf_names, _tf_rule
+from optax_lossscale.porting import _keras_config, _tf_names, _tf_rule
 
 __all__ = [
   "DynamicLossScale",
@@ -126,8 +126,14 @@ class LossScale:
 
   @classmethod
   def from_config(cls, config: dict[str, Any]) -> LossScale:
-    """A fresh loss scale (initial counters) from :meth:`get_config`'s output."""
-    return cls(**config)
+    """A fresh loss scale (initial counters) from :meth:`get_config`'s output.
+
+    Raises:
+      ValueError: a key that is not one of the constructor's arguments (as
+        TensorFlow's ``cls(**config)`` refuses it), or an invalid value.
+    """
+    accepted = _keras_config.constructor_keys(cls)
+    return cls(**_keras_config.checked_config(cls.__name__, config, accepted))
 
   def __call__(self) -> jax.Array:
     """The current loss scale, a float32 scalar."""
@@ -139,8 +145,14 @@ class LossScale:
 
   # -- the operations ------------------------------------------------------
 
-  def scale_loss(self, loss: Any) -> jax.Array:
-    """The loss multiplied by the current scale, in at least float32."""
+  def scale_loss(self, loss: Any) -> Any:
+    """The loss multiplied by the current scale, in at least float32.
+
+    A callable loss (TensorFlow's ``get_scaled_loss`` takes one) gives a
+    callable that returns its scaled value.
+    """
+    if callable(loss):
+      return lambda *args, **kwargs: self.scale_loss(loss(*args, **kwargs))
     if self._config.noop:
       return jnp.asarray(loss)
     return _core.scale_value(loss, self._state.loss_scale)
@@ -340,16 +352,24 @@ class StaticLossScale(LossScale):
   """A fixed loss scale (TensorFlow's ``FixedLossScale``).
 
   Args:
-    scale: the fixed scale (positive, finite).
+    scale: the fixed scale: a float32 number in ``[2**-126, float32 max]``
+      (TensorFlow's ``FixedLossScale`` takes any from 1 to float32's
+      largest). Above ``2**126`` the reciprocal is a subnormal number,
+      which XLA (as TensorFlow) flushes to zero: :meth:`unscale` then gives
+      zeros, as TensorFlow's unscaling does.
     skip_nonfinite: skip steps whose gradients are not finite (default). With
       ``False`` every step is applied, exactly as TensorFlow's
       ``FixedLossScale``.
+
+  Raises:
+    ValueError: a scale outside that range or not a real number, or a
+      ``skip_nonfinite`` that is not a bool.
   """
 
   __slots__ = ()
 
   def __init__(self, scale: float, *, skip_nonfinite: bool = True):
-    super().__init__(_config.static_config(scale, skip_nonfinite))
+    super().__init__(_tf_rule.fixed_config(scale, skip_nonfinite))
 
   def get_config(self) -> dict[str, Any]:
     """TensorFlow's ``FixedLossScale`` config when it applies every step."""
@@ -359,10 +379,22 @@ class StaticLossScale(LossScale):
 
   @classmethod
   def from_config(cls, config: dict[str, Any]) -> StaticLossScale:
-    """Reads :meth:`get_config`'s output and TensorFlow's ``FixedLossScale``'s."""
-    if "loss_scale_value" in config:
+    """Reads :meth:`get_config`'s output and TensorFlow's ``FixedLossScale``'s.
+
+    Raises:
+      ValueError: a key of neither form: ``{"loss_scale_value": x}``
+        (TensorFlow's, every step applied) or the constructor's ``scale``
+        and ``skip_nonfinite``; the forms are not mixed.
+    """
+    if isinstance(config, dict) and "loss_scale_value" in config:
+      config = _keras_config.checked_config(
+        cls.__name__,
+        config,
+        _keras_config.TF_LOSS_SCALE_KEYS["FixedLossScale"],
+        form="TensorFlow's FixedLossScale config (every step applied)",
+      )
       return cls(config["loss_scale_value"], skip_nonfinite=False)
-    return cls(**config)
+    return super().from_config(config)
 
 
 @jax.tree_util.register_pytree_with_keys_class

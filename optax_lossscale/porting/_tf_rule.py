@@ -19,9 +19,10 @@ import dataclasses
 from typing import Any
 
 from optax_lossscale._base import validate as _validate
+from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale.config import LossScaleConfig
 
-__all__ = ["TFRuleConfig", "config", "fixed_value", "keras_config"]
+__all__ = ["TFRuleConfig", "config", "fixed_config", "fixed_value", "keras_config"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,20 @@ def fixed_value(config: dict[str, Any]) -> float:
   raise ValueError(f"A fixed loss scale's config needs `loss_scale_value`: {config!r}.")
 
 
+def fixed_config(scale: Any, skip_nonfinite: Any) -> LossScaleConfig:
+  """The core's fixed-scale configuration, for any float32 scale from
+  ``2**-126`` up to float32's largest (TensorFlow's ``FixedLossScale`` takes
+  them all; the core's own ceiling is ``2**126``)."""
+  _, hi = _validate.SCALE_RANGE
+  value = _validate.as_f32("scale", scale)
+  if value <= hi:
+    return _config.static_config(scale, skip_nonfinite)
+  at_ceiling = _config.static_config(hi, skip_nonfinite)
+  return dataclasses.replace(
+    at_ceiling, initial_scale=value, min_scale=value, max_scale=value
+  )
+
+
 def config(kwargs: dict[str, Any]) -> TFRuleConfig:
   """A validated :class:`TFRuleConfig`: any positive finite float32 initial
   scale, an integer growth interval, a multiplier above 1."""
@@ -69,17 +84,25 @@ def config(kwargs: dict[str, Any]) -> TFRuleConfig:
   )
 
 
-def keras_config(initial_scale: float, growth_steps: int | None) -> TFRuleConfig:
-  """The configuration of tf_keras' and Keras' loss scale: multiplier 2,
+def keras_config(
+  initial_scale: float, growth_steps: int | None, *, legacy: bool
+) -> TFRuleConfig:
+  """The configuration of tf_keras' and Keras 3's loss scale: multiplier 2,
   ``growth_steps`` finite steps before growing, or ``None`` for a fixed
-  scale that applies every step (as TensorFlow's fixed scale does)."""
+  scale that applies every step (as TensorFlow's fixed scale does).
+
+  tf_keras (``legacy``) floors a backoff at 1 (``bounds="tensorflow"``);
+  Keras 3 halves with no floor (``bounds="keras"``), so that a scale below
+  1 keeps halving, as in Keras 3.
+  """
   _, hi = _validate.SCALE_RANGE
   dynamic = growth_steps is not None
   return TFRuleConfig(
     initial_scale=initial_scale,
     growth_interval=growth_steps if dynamic else 1,
-    min_scale=min(1.0, initial_scale),
+    min_scale=min(1.0, initial_scale) if legacy else 0.0,
     max_scale=max(hi, initial_scale),
     dynamic=dynamic,
     skip_nonfinite=dynamic,
+    bounds="tensorflow" if legacy else "keras",
   )

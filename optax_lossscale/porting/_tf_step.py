@@ -100,7 +100,7 @@ class KerasLossScale:
     self.growth_steps = growth_steps
     self.factor = factor
     self.axis_name = axis_name
-    self.config = _tf_rule.keras_config(initial_scale, growth_steps)
+    self.config = _tf_rule.keras_config(initial_scale, growth_steps, legacy=spec.legacy)
 
   def init(self, params: Any) -> LossScaleState:
     inner = _keras_engine.init(self.spec, self.base, params)
@@ -148,7 +148,8 @@ class KerasLossScale:
         f"  params: {jax.tree.structure(params)}"
       ) from None
     # The unscaled gradients decide, as tf_keras checks them: with a scale
-    # below 1, what overflows when unscaled is not applied.
+    # below 1, what overflows when unscaled is not applied (Keras 3 checks
+    # the scaled ones and applies the overflow).
     finite = _core.reduce_flag(
       _finite.leaves_finite(jax.tree.leaves(tree)), self.axis_name
     )
