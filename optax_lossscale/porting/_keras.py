@@ -227,10 +227,12 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   accumulation, the EMA, ``iterations``), as Keras 3's ``LossScaleOptimizer``
   does (tf_keras 2.x's with ``legacy_keras=True``), under TensorFlow's rule:
   the scale is multiplied by 2 after ``dynamic_growth_steps`` finite steps
-  in a row *if the product is finite*, and set to ``max(scale / 2, 1)`` on a
-  non-finite step, which is skipped; any positive finite initial scale is
-  accepted. The unscaled gradients are checked (tf_keras' check; Keras 3
-  checks the scaled ones, which differs only below scale 1).
+  in a row *if the product is finite*, and halved on a non-finite step,
+  which is skipped, with no floor, as Keras 3 (tf_keras' ``max(scale / 2,
+  1)`` with ``legacy_keras=True``; a floor of one's choosing with
+  ``min_scale``); any positive finite initial scale is accepted. The
+  unscaled gradients are checked (tf_keras' check; Keras 3 checks the
+  scaled ones, which differs only below scale 1).
 
   **An optax transformation** is wrapped in the core's loss scale, its rule
   clamped to ``[min_scale, max_scale]`` (default ``[min(1, initial_scale),
