@@ -234,3 +234,63 @@ def test_the_readme_is_one_screen_and_links_into_the_docs():
   assert links, "the README links into the docs"
   for link in links:
     assert (ROOT / link).exists(), link
+
+
+# --------------------------------------------------------------------------
+# Markdown that renders other than it reads.
+# --------------------------------------------------------------------------
+
+_LIST_MARKER = re.compile(r"^( *)([*+-]|\d+[.)]) +")
+
+
+def _list_markers_made_by_wrapping(text: str) -> list[int]:
+  """The lines of Markdown ``text`` that start a list inside running text:
+  a list marker (``* ``, ``- ``, ``+ ``, ``1. ``) opening a line of a
+  paragraph or of a list item's text whose line before does not end with
+  ``:`` (or is not the item's first line), or inside an open code span.
+  Markdown starts a list there (a nested one in an item): what a wrapped
+  formula like ``m = momentum * m`` does when ``* m`` begins a line. A new
+  item of the same list is not one."""
+  found, fence, para, item = [], False, [], None  # item: marker, text indents
+  for n, line in enumerate(text.splitlines(), 1):
+    if line.lstrip().startswith(("```", "~~~")):
+      fence, para = not fence, []
+      continue
+    if fence:
+      continue
+    if not line.strip():
+      para = []
+      continue
+    indent = len(line) - len(line.lstrip(" "))
+    marker = _LIST_MARKER.match(line)
+    if item and not para and indent < item[1] and not marker:
+      item = None  # a paragraph after the list
+    if not marker:
+      para.append(line)
+      continue
+    sibling = item is not None and indent < item[1]
+    if para and not sibling:
+      inside_code = "".join(para).count("`") % 2 == 1
+      nested = item is not None and len(para) == 1  # right under its item
+      if inside_code or not (nested or para[-1].rstrip().endswith(":")):
+        found.append(n)
+    item, para = (indent, marker.end()), [line]
+  return found
+
+
+def test_the_marker_check_finds_a_wrapped_formula_and_passes_lists():
+  wrapped = "* **SGD**: its momentum is `m = momentum\n  * m - lr * g`, then\n"
+  assert _list_markers_made_by_wrapping(wrapped) == [2]
+  prose = "The rule is\n- lr * g for each leaf.\n"
+  assert _list_markers_made_by_wrapping(prose) == [2]
+  lists = "Steps:\n* one\n  more of one\n* two\n  * nested:\n\n1. three\n"
+  assert _list_markers_made_by_wrapping(lists) == []
+  fenced = "```python\nx = 1\n* 2\n```\n"
+  assert _list_markers_made_by_wrapping(fenced) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_no_list_is_started_by_a_wrapped_line(page):
+  assert _list_markers_made_by_wrapping(page.read_text()) == [], (
+    "a line of running text starts with a list marker (rewrap the paragraph)"
+  )
