@@ -1,0 +1,520 @@
+"""benchmarks/float8_profile.py: the HLO classifier, the trace split, the CPU proxy.
+
+The classifier (``benchmarks/_hlo.py``) is checked on a hand-written module
+whose every kernel is labelled by hand, and on a real float8 train step
+compiled here; the trace split on a synthetic GPU-style trace of that step's
+kernels (cuBLAS kernel names, kernels known only by name, lines a GPU trace
+derives, another program's kernels). The proxy: the passes over memory that
+the float8 recipe adds to each matmul, counted in the compiled step, held
+at today's counts against the recipe's minimum. The script itself runs
+``--small`` end to end (integration).
+"""
+
+import gzip
+import importlib
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import versions
+
+import optax_lossscale as ols
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+_BENCH = os.path.join(_ROOT, "benchmarks")
+_SCRIPT = os.path.join(_BENCH, "float8_profile.py")
+_DATA = pathlib.Path(__file__).parent / "data"
+
+
+def _module(name):
+  sys.path.insert(0, _BENCH)
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path.remove(_BENCH)
+
+
+hlo = _module("_hlo")
+profile = _module("float8_profile")
+gpu_transformer = _module("gpu_transformer")
+train_step = _module("train_step")
+
+pytestmark = pytest.mark.standard_promotion  # optax's adam
+
+
+# --------------------------------------------------------------------------
+# The classifier, on a module labelled by hand.
+# --------------------------------------------------------------------------
+
+#: A module written by hand (in XLA's text format) with a kernel of each kind:
+#: an amax, a split amax, a producer that writes its amax too, casts, a
+#: transposed float8 copy, cuBLASLt's float8 GEMM, a Triton GEMM fusion, a
+#: loop.
+HAND_WRITTEN = (_DATA / "float8_kernels.hlo").read_text()
+
+#: Each kernel of HAND_WRITTEN: its category, and whether it is a pass over
+#: memory (a scalar kernel and an amax's second stage are not).
+HAND_LABELS = {
+  "amax.x": ("amax", True),
+  "scale.x": ("other", False),  # scalars: the scale from the amax
+  "cast.x": ("cast", True),
+  "cast.w": ("cast", True),  # quantised and transposed in one kernel
+  "transpose.x": ("transpose/copy", True),
+  "gemm.f8": ("GEMM", True),
+  "partial.y": ("amax", True),  # a split amax's first stage (reduce-window)
+  "stage.y": ("amax", False),  # ... and its second, over the partial maxima
+  "produced": ("other", True),  # a producer writing its amax too: no pass of its own
+  "row.max": ("other", True),  # a max reduction without abs (softmax's)
+  "gemm.bf16": ("GEMM", True),  # a Triton GEMM fusion
+  "sum": ("other", True),
+  "copy.sum": ("transpose/copy", True),
+  "next": ("other", False),  # the loop body's, a scalar
+  "twice": ("other", True),  # the loop body's
+  "lt.c": ("other", False),  # the loop condition's, a scalar
+}
+
+
+def test_hand_written_module_categories():
+  program = hlo.Program(HAND_WRITTEN)
+  assert program.module == "jit_step"
+  assert program.categories() == {k: c for k, (c, _) in HAND_LABELS.items()}
+
+
+def test_hand_written_module_passes():
+  program = hlo.Program(HAND_WRITTEN)
+  want = dict.fromkeys(hlo.CATEGORIES, 0)
+  for category, is_pass in HAND_LABELS.values():
+    want[category] += is_pass
+  assert program.passes() == want
+  assert program.float8_gemms() == ["gemm.f8"]
+  # The float8 GEMM's passes: its amax passes (the split one's first stage
+  # counted once), its casts, and the transposed float8 copy it reads; the
+  # copy of `sum` is no float8 operand's.
+  assert program.float8_passes() == {
+    "GEMM": 1,
+    "amax": 2,
+    "cast": 2,
+    "transpose/copy": 1,
+  }
+
+
+@pytest.mark.parametrize(
+  ("hlo_op", "name", "want"),
+  [
+    ("cast.x", "anything", "cast.x"),  # the event's hlo_op wins
+    ("", "transpose_x", "transpose.x"),  # the kernel's name, as XLA writes it
+    ("command_buffer.3", "gemm_bf16", "gemm.bf16"),  # inside a CUDA graph
+    ("", "nvjet_qqtst_128x128_64x4_1x2_h_bz_coopA_TNT", None),
+    ("no_such_op", "", None),
+    ("%1", "x", None),  # a parameter is no kernel
+  ],
+)
+def test_kernel_lookup(hlo_op, name, want):
+  assert hlo.Program(HAND_WRITTEN).kernel(hlo_op, name) == want
+
+
+def test_a_module_without_entry_is_refused():
+  with pytest.raises(ValueError, match="ENTRY"):
+    hlo.Program(
+      "HloModule m\n\n%f (a: f32[]) -> f32[] {\n  ROOT %a = f32[] parameter(0)\n}\n"
+    )
+
+
+# --------------------------------------------------------------------------
+# A real float8 train step, compiled here.
+# --------------------------------------------------------------------------
+
+
+def _decoder(layers=2, d_model=64, heads=4, seq=64, batch=4, vocab=256):
+  params = gpu_transformer.init_decoder(
+    jax.random.key(0), vocab=vocab, d_model=d_model, layers=layers, seq=seq
+  )
+  tokens = jnp.asarray(
+    np.random.default_rng(0).integers(0, vocab, (batch, seq), np.int32)
+  )
+
+  def loss_fn(p, x, y):
+    # The report's decoder broadcasts the positions over the batch.
+    with jax.numpy_rank_promotion("allow"):
+      return gpu_transformer.decoder_loss(p, x, y, heads=heads)
+
+  return loss_fn, params, (tokens, jnp.roll(tokens, -1, axis=1))
+
+
+def _compiled_step(precision, layers=2):
+  loss_fn, params, batch = _decoder(layers)
+  wrap = profile.PRECISIONS[precision][1]
+  # optax's adam (a module fixture runs outside the test's promotion rule)
+  with jax.numpy_dtype_promotion("standard"):
+    step, carry, batch = train_step.loss_entries(wrap(loss_fn), params, batch)["plain"]
+    return jax.jit(step, donate_argnums=0).lower(carry, batch).compile()
+
+
+@pytest.fixture(scope="module")
+def float8_step():
+  compiled = _compiled_step("float8")
+  return hlo.Program(compiled.as_text()), compiled.as_text()
+
+
+def _bodies(text):
+  """``{computation name: its text}`` of an HLO module's text."""
+  out = {}
+  for m in re.finditer(r"^(?:ENTRY )?%([\w.\-]+) \(.*?\n\}\n", text, re.M | re.S):
+    out[m.group(1)] = m.group(0)
+  return out
+
+
+def _pick(program, text):
+  """One kernel of each category of the step, chosen on the HLO text alone:
+  a ``dot`` (GEMM); a fusion reducing an ``abs`` to a scalar (amax); a
+  fusion writing float8 (cast); a fusion whose result is a ``transpose`` or
+  ``copy`` (transpose/copy); a fusion with neither (other)."""
+  bodies = _bodies(text)
+  picked = {}
+  for instr in program.kernels():
+    body = bodies.get(instr.calls[0], "") if instr.calls else ""
+    root = re.search(r"ROOT %\S+ = \S+ ([\w\-]+)\(", body)
+    if instr.opcode == "dot":
+      picked.setdefault("GEMM", instr.name)
+    elif instr.shape.startswith("f32[]") and " abs(" in body and " reduce(" in body:
+      picked.setdefault("amax", instr.name)
+    elif re.search(r"= f8e\w+\[[\d,]+\]\S* convert\(", body):
+      picked.setdefault("cast", instr.name)
+    elif root and root.group(1) in ("transpose", "copy") and "f8e" not in body:
+      picked.setdefault("transpose/copy", instr.name)
+    elif (
+      instr.opcode == "fusion"
+      and hlo.elements(instr.shape) > 1
+      and not re.search(r" (dot|reduce|reduce-window|abs|transpose|copy)\(", body)
+      and "f8e" not in body
+    ):
+      picked.setdefault("other", instr.name)
+  assert sorted(picked) == sorted(hlo.CATEGORIES), picked
+  return picked
+
+
+def test_real_step_kernels_land_in_their_categories(float8_step):
+  program, text = float8_step
+  cats = program.categories()
+  for category, name in _pick(program, text).items():
+    assert cats[name] == category, (name, category)
+
+
+def _gpu_trace(module, kernels):
+  """A Chrome trace as a GPU's looks: a host process, and a device process
+  with a kernel stream and a line derived from it; ``kernels`` are
+  ``(name, hlo_op, hlo_module, microseconds)`` on the stream."""
+  events = [
+    {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+    {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+    {
+      "ph": "M",
+      "pid": 7,
+      "tid": 3,
+      "name": "thread_name",
+      "args": {"name": "Stream #13(Compute)"},
+    },
+    {"ph": "M", "pid": 7, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}},
+  ]
+  ts = 0.0
+  for name, hlo_op, hlo_module, dur in kernels:
+    args = {"correlation_id": "1"}
+    if hlo_op:
+      args["hlo_op"] = hlo_op
+    if hlo_module:
+      args["hlo_module"] = hlo_module
+    for pid, tid in ((7, 3), (7, 9), (1, 5)):  # the stream, the derived line, the host
+      events.append(
+        {
+          "ph": "X",
+          "pid": pid,
+          "tid": tid,
+          "ts": ts,
+          "dur": dur,
+          "name": name,
+          "args": args,
+        }
+      )
+    ts += dur
+  return {"displayTimeUnit": "ns", "traceEvents": events}
+
+
+def test_gpu_trace_split(float8_step, tmp_path):
+  program, text = float8_step
+  picked = _pick(program, text)
+  module = program.module
+  steps = 2
+  # Durations in powers of two: every sum of them is distinct.
+  kernels = [
+    # by hlo_op, the kernel named otherwise (a Triton or cuBLAS kernel)
+    ("triton_softmax_kernel", picked["other"], module, 1.0),
+    (
+      "sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64_cublas",
+      picked["GEMM"],
+      module,
+      2.0,
+    ),
+    # by name only: inside a CUDA graph (hlo_op of the command buffer)
+    (hlo.kernel_name(picked["amax"]), "command_buffer.1", module, 4.0),
+    (hlo.kernel_name(picked["cast"]), "", module + "(3)", 8.0),  # with its id
+    (hlo.kernel_name(picked["transpose/copy"]), "", "", 16.0),
+    # known by its name alone
+    ("nvjet_qqtst_128x128_64x4_1x2_h_bz_coopA_TNT", "", module, 32.0),
+    ("cutlass3x_sm90_tensorop_gemm_e4m3_e4m3_f32_bf16_bf16", "", module, 64.0),
+    ("MemcpyDtoD", "", "", 128.0),
+    ("unknown_kernel_of_a_library", "", module, 256.0),
+    # another program's: left out
+    (hlo.kernel_name(picked["GEMM"]), picked["GEMM"], "jit_other", 512.0),
+  ]
+  path = tmp_path / "trace.json.gz"
+  with gzip.open(path, "wt") as f:
+    json.dump(_gpu_trace(module, kernels), f)
+  events = profile.kernel_events(profile.load_trace(str(path)), module)
+  assert len(events) == len(kernels) - 1  # one of each, on the stream alone
+  split = profile.split_time(events, program, steps)
+  ms = {c: t * steps * 1e3 for c, t in split["ms"].items()}  # back to microseconds
+  assert ms == pytest.approx(
+    {
+      "GEMM": 2.0 + 32.0 + 64.0,
+      "amax": 4.0,
+      "cast": 8.0,
+      "transpose/copy": 16.0 + 128.0,
+      "other": 1.0 + 256.0,
+    }
+  )
+  total = sum(d for *_, d in kernels[:-1])
+  assert split["total_ms"] * steps * 1e3 == pytest.approx(total)
+  assert split["matched_ms"] * steps * 1e3 == pytest.approx(1 + 2 + 4 + 8 + 16)
+  assert split["by_name_ms"] * steps * 1e3 == pytest.approx(32 + 64 + 128)
+  assert split["unattributed_ms"] * steps * 1e3 == pytest.approx(256)
+  assert split["events"] == len(kernels) - 1
+  assert [k[2] for k in split["kernels"][:2]] == [
+    "unknown_kernel_of_a_library",
+    "MemcpyDtoD",
+  ]
+
+
+def test_cpu_trace_events(float8_step):
+  """Without a device process (XLA:CPU): the events naming an instruction of
+  the module, without the thunk executor's ``end:`` markers."""
+  program, _ = float8_step
+  some = list(program.categories())[:3]
+  events = [
+    {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+    {"ph": "X", "pid": 1, "tid": 2, "ts": 0, "dur": 5, "name": "PjitFunction(plain)"},
+  ]
+  for name in some:
+    for shown in (name, f"end: {name}"):
+      events.append(
+        {
+          "ph": "X",
+          "pid": 1,
+          "tid": 2,
+          "ts": 1,
+          "dur": 3,
+          "name": shown,
+          "args": {"hlo_op": name, "hlo_module": program.module},
+        }
+      )
+  events.append(
+    {
+      "ph": "X",
+      "pid": 1,
+      "tid": 2,
+      "ts": 9,
+      "dur": 3,
+      "name": "x",
+      "args": {"hlo_op": "x", "hlo_module": "jit_other"},
+    }
+  )
+  assert profile.kernel_events(events, program.module) == [(n, n, 3.0) for n in some]
+  empty = profile.split_time([], program, 3)
+  assert empty["total_ms"] == 0 and empty["events"] == 0 and empty["kernels"] == []
+
+
+@pytest.mark.parametrize(
+  ("text", "message"),
+  [
+    ("1024:8:16:1024", "d_model:layers:heads:seq:batch"),
+    ("1024:8:0:1024:8", "positive integers"),
+    ("1024:8:-16:1024:8", "positive integers"),
+    ("1000:8:16:1024:8", "multiple of heads"),
+    ("", "no size"),
+  ],
+)
+def test_bad_sizes_are_refused(text, message):
+  with pytest.raises(ValueError, match=message):
+    profile.parse_sizes(text)
+
+
+def test_sizes():
+  sizes = profile.parse_sizes(profile.SIZES)
+  assert [s["d_model"] for s in sizes] == [1024, 2048, 4096]
+  assert {s["seq"] * s["batch"] for s in sizes} == {8192}
+
+
+# --------------------------------------------------------------------------
+# The proxy: passes over memory per float8 matmul, in the compiled step.
+# --------------------------------------------------------------------------
+
+
+def _dense_programs():
+  """A float8 dense layer's value and gradients (of both operands)."""
+
+  def loss(w, x):
+    return jnp.sum(jnp.tanh(x @ w))
+
+  w, x = jnp.ones((256, 512)), jnp.ones((128, 256))
+  out = {}
+  for name, (_, wrap) in profile.PRECISIONS.items():
+    fn = jax.value_and_grad(wrap(loss), argnums=(0, 1))
+    out[name] = hlo.Program(jax.jit(fn).lower(w, x).compile().as_text())
+  return out
+
+
+@versions.xla_figures
+def test_float8_dense_layer_passes():
+  """One matmul: at the minimum in amax passes and casts (one of each
+  forward operand and of the output gradient); the weight's gradient is
+  computed transposed, then transposed and copied back into the weight's
+  layout (2 passes, where the minimum and bfloat16 have none)."""
+  programs = _dense_programs()
+  f8 = programs["float8"].float8_passes()
+  n = 1
+  assert f8["GEMM"] == 3 * n  # the forward product and the two gradients'
+  assert f8["amax"] == profile.MINIMUM["amax"] * n
+  assert f8["cast"] == profile.MINIMUM["cast"] * n
+  assert f8["transpose/copy"] == 2  # minimum: 0
+  assert programs["bfloat16"].passes()["transpose/copy"] == 0
+  assert programs["bfloat16"].float8_passes() == dict.fromkeys(
+    ("GEMM", "amax", "cast", "transpose/copy"), 0
+  )
+
+
+@versions.xla_figures
+def test_float8_train_step_passes(float8_step):
+  """The decoder's float8 train step (2 layers: 13 float8 matmuls, each with
+  a forward product and two gradient products) on XLA:CPU, held at today's
+  counts. The minimum is 3 amax passes and 3 casts per matmul (39 each) and
+  no transposed copy. Today: amax at the minimum; 13 casts more (the output
+  gradient of each matmul is quantised twice, once in each layout its two
+  gradient products read); 4 transposed copies (attention's operands whose
+  amax is taken from a transposed copy of their magnitudes)."""
+  program, _ = float8_step
+  loss_fn, params, batch = _decoder()
+  wrapped = profile.PRECISIONS["float8"][1](loss_fn)
+  matmuls = ols.list_matmuls(wrapped, params, *batch)
+  n = sum(m.precision == "float8" for m in matmuls)
+  assert n == 6 * 2 + 1
+  assert program.float8_passes() == {
+    "GEMM": 3 * n,
+    "amax": profile.MINIMUM["amax"] * n,
+    "cast": profile.MINIMUM["cast"] * n + n,
+    "transpose/copy": 4,
+  }
+
+
+# --------------------------------------------------------------------------
+# The script, end to end.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_report(tmp_path_factory):
+  out = tmp_path_factory.mktemp("float8_profile") / "report.md"
+  proc = subprocess.run(
+    [sys.executable, _SCRIPT, "--small", "--out", str(out)],
+    capture_output=True,
+    text=True,
+    cwd=_ROOT,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return out.read_text(), out
+
+
+def _table(text, first_header):
+  lines = text.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.startswith(first_header))
+  rows = []
+  for line in lines[start + 2 :]:
+    if not line.startswith("|"):
+      break
+    rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+  assert rows, f"no rows under {first_header!r}"
+  return rows
+
+
+def _number(cell, unit=""):
+  match = re.fullmatch(rf"\**([+-]?[0-9.]+)\**\s*{re.escape(unit)}", cell)
+  assert match, f"{cell!r} is not a number in {unit or 'no unit'}"
+  return float(match.group(1))
+
+
+@pytest.mark.integration
+def test_small_report_tokens(small_report):
+  text, _ = small_report
+  assert text.startswith("# float8 against bfloat16")
+  assert "error" not in text
+  sizes = profile.parse_sizes(profile.SMALL_SIZES)
+  rows = _table(text, "| d_model |")
+  assert [int(r[0]) for r in rows] == [s["d_model"] for s in sizes]
+  env = dict(_table(text, "| | |"))
+  assert env["backend"].split()[0] == jax.default_backend()
+  for row, size in zip(rows, sizes, strict=True):
+    tokens = size["seq"] * size["batch"]
+    assert f"sequence {size['seq']} x batch {size['batch']} ({tokens} tokens" in text
+    b_ms, f_ms = _number(row[2], "ms"), _number(row[4], "ms")
+    for ms, per_s in ((b_ms, row[3]), (f_ms, row[5])):
+      assert ms > 0
+      assert _number(per_s) == pytest.approx(1e3 * tokens / ms, rel=0.01, abs=1)
+    assert _number(row[6]) == pytest.approx(b_ms / f_ms, rel=0.01)
+    losses = re.fullmatch(r"(\S+), (\S+) \((\S+)\)", row[9])
+    assert float(losses[3]) == pytest.approx(
+      float(losses[2]) - float(losses[1]), abs=2e-4
+    )
+
+
+@pytest.mark.integration
+def test_small_report_split(small_report):
+  text, out = small_report
+  sizes = [s["d_model"] for s in profile.parse_sizes(profile.SMALL_SIZES)]
+  rows = _table(text, "| d_model | precision |")
+  assert [(int(r[0]), r[1]) for r in rows] == [
+    (d, p) for d in sizes for p in profile.PRECISIONS
+  ]
+  for row in rows:
+    total = _number(row[3])
+    parts = [re.fullmatch(r"(\S+) \((\d+)%\)", c) for c in row[4:9]]
+    assert all(parts), row
+    assert sum(float(p[1]) for p in parts) == pytest.approx(total, abs=0.003)
+    assert total > 0
+    if jax.default_backend() == "cpu":  # every XLA:CPU thunk names its instruction
+      assert row[9] == "100% + 0%"
+    amax, cast = float(parts[1][1]), float(parts[2][1])
+    if row[1] == "bfloat16":
+      assert amax == cast == 0  # no float8 in the step
+    else:
+      assert amax > 0 and cast > 0
+  for d in sizes:
+    line = re.search(
+      rf"- d_model {d}: (\d+) float8 matmuls in the forward pass, (\d+) float8 "
+      r"GEMMs in the step \((\d+) cuBLASLt `__cublas\$lt\$matmul\$f8`\); amax passes "
+      r"(\d+) \(minimum (\d+)\), casts (\d+) \(minimum (\d+)\)",
+      text,
+    )
+    assert line, f"no passes line for d_model {d}"
+    n = int(line[1])
+    assert int(line[2]) == 3 * n
+    assert int(line[5]) == int(line[7]) == 3 * n
+    for name in profile.PRECISIONS:
+      trace = out.parent / "report_traces" / f"d{d}_{name}.json.gz"
+      assert profile.load_trace(str(trace))
+      assert f"<summary>d_model {d}, {name}: the kernels" in text
