@@ -201,6 +201,55 @@ def test_a_fixed_scale_applies_every_step_as_tf_keras(momentum):
   assert any(after) == (momentum == 0.0)
 
 
+HALF_CONFIGS = {
+  "sgd momentum, fixed 128": O.Config(
+    "sgd", (("momentum", 0.9), ("learning_rate", 100.0)), initial_scale=128.0,
+    growth_steps=None,
+  ),
+  "sgd nesterov, fixed 128": O.Config(
+    "sgd", (("momentum", 0.5), ("nesterov", True), ("learning_rate", 100.0)),
+    initial_scale=128.0, growth_steps=None,
+  ),
+  "sgd momentum, dynamic": O.Config(
+    "sgd", (("momentum", 0.9), ("learning_rate", 100.0)), initial_scale=128.0,
+    growth_steps=2,
+  ),
+  "adam, fixed 128": O.Config(
+    "adam", (("learning_rate", 0.1),), initial_scale=128.0, growth_steps=None
+  ),
+  "sgd momentum, clipvalue, EMA, fixed 128": O.Config(
+    "sgd", (("momentum", 0.5),),
+    (("clipvalue", 3.0), ("use_ema", True), ("ema_momentum", 0.75)),
+    initial_scale=128.0, growth_steps=None,
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(HALF_CONFIGS))
+def test_float16_variables_as_tf_keras(name):
+  """float16 variables: Keras casts every constant to the variable's dtype,
+  so the step, the slots and the average stay float16 and overflow where
+  TensorFlow's do (a float32 momentum once turned the slot float32, and an
+  overflow TensorFlow gives as inf into NaN)."""
+  cfg = HALF_CONFIGS[name]
+  kinds = ["ok", "ok", "ok", "inf", "ok", "huge", "ok", "ok", "nan", "ok"]
+  rng = np.random.default_rng(7)
+  params0 = [rng.normal(size=s).astype(np.float16) for s in SHAPES]
+  with np.errstate(over="ignore"):  # 'huge' (1e38) is inf in float16
+    grads_seq = [
+      [g.astype(np.float16) for g in step]
+      for step in O.gradients(rng, SHAPES, kinds, magnitude=3e3)
+    ]
+  ours = O.run_ours(cfg, params0, grads_seq, legacy=True, idiom="tf")
+  theirs = O.run_tf_keras(cfg, params0, grads_seq)
+  assert O.first_difference(ours, theirs) is None
+  for step in ours:
+    assert [p.dtype for p in step.params] == [np.float16] * len(SHAPES)
+  if cfg.growth_steps is None and cfg.optimizer == "sgd" and not cfg.base:
+    # The overflow is there to be matched: TensorFlow's weights reach inf.
+    assert any(np.isinf(p).any() for p in theirs[-1].params)
+
+
 def test_fused_multiply_add_difference():
   """The one difference of arithmetic: Keras 3 NaN, ours finite, at the 1e38 step."""
   cfg = CONFIGS["rmsprop centered, momentum"]

@@ -104,9 +104,9 @@ def init(spec: OptimizerSpec, base: BaseArgs, params: Any) -> KerasOptimizerStat
 
 def _clip(spec: OptimizerSpec, base: BaseArgs, grads: list) -> list:
   if base.clipnorm:  # tf.clip_by_norm, which Keras 3 calls on TensorFlow
-    c = _c(base.clipnorm)
 
     def one(g):
+      c = _c(base.clipnorm).astype(g.dtype)
       l2sum = jnp.sum(g * g)
       pred = l2sum > 0
       l2norm = jnp.where(pred, jnp.sqrt(jnp.where(pred, l2sum, 1.0)), l2sum)
@@ -127,7 +127,7 @@ def _clip(spec: OptimizerSpec, base: BaseArgs, grads: list) -> list:
     return [g * scale for g in grads]
   if base.clipvalue:
     v = _c(base.clipvalue)
-    return [jnp.clip(g, -v, v) for g in grads]
+    return [jnp.clip(g, -v.astype(g.dtype), v.astype(g.dtype)) for g in grads]
   return grads
 
 
@@ -138,7 +138,10 @@ def _update(spec, base, grads, params, slots, lr, iterations):
   grads = [clipped.pop(0) if f else g for g, f in zip(grads, floats, strict=True)]
   if base.weight_decay is not None:  # variable.assign_sub(variable * wd * lr)
     wd = _c(base.weight_decay)
-    params = [p - p * wd * lr if f else p for p, f in zip(params, floats, strict=True)]
+    params = [
+      p - p * wd.astype(p.dtype) * lr.astype(p.dtype) if f else p
+      for p, f in zip(params, floats, strict=True)
+    ]
   new_params, new_slots = [], {k: [] for k in slots}
   for i, (g, p) in enumerate(zip(grads, params, strict=True)):
     leaf_slots = {k: v[i] for k, v in slots.items()}
@@ -195,7 +198,9 @@ def step(
       m = (iters != 0).astype(_F32) * _c(base.ema_momentum)
       one_minus = 1 - m
     ema = [
-      m * a + one_minus * p if _tree.is_float_array(p) else a
+      m.astype(a.dtype) * a + one_minus.astype(a.dtype) * p
+      if _tree.is_float_array(p)
+      else a
       for a, p in zip(ema, new_p, strict=True)
     ]
     if base.ema_overwrite_frequency:

@@ -127,9 +127,11 @@ def spec(name: str, config: Mapping[str, Any], *, legacy: bool) -> OptimizerSpec
   return OptimizerSpec(key, tuple(sorted(hyper.items())), bool(legacy))
 
 
-def _c(x: Any) -> jax.Array:
-  """A Python number as Keras casts it: rounded to float32 once."""
-  return jnp.asarray(x, _F32)
+def _c(x: Any, dtype: Any = _F32) -> jax.Array:
+  """A Python number as Keras casts it: rounded to float32 once, then to the
+  variable's ``dtype`` (``ops.cast(self.momentum, variable.dtype)``), so
+  that a half variable's step stays in its dtype as Keras'."""
+  return jnp.asarray(x, _F32).astype(dtype)
 
 
 def _slot_names(s: OptimizerSpec) -> tuple[str, ...]:
@@ -175,7 +177,7 @@ def update_leaf(
 
 def _sgd(s, g, p, slots, lr, iterations):
   del iterations
-  momentum = _c(s["momentum"])
+  momentum = _c(s["momentum"], p.dtype)
   if not slots:  # Keras 3 at momentum 0: no slot
     return p - g * lr, slots
   m = slots["momentum"]
@@ -189,32 +191,33 @@ def _sgd(s, g, p, slots, lr, iterations):
 
 
 def _adam(s, g, p, slots, lr, iterations):
-  local_step = (iterations + 1).astype(p.dtype)
-  beta_1_power = jnp.power(_c(s["beta_1"]), local_step)
-  beta_2_power = jnp.power(_c(s["beta_2"]), local_step)
+  dt = p.dtype
+  local_step = (iterations + 1).astype(dt)
+  beta_1_power = jnp.power(_c(s["beta_1"], dt), local_step)
+  beta_2_power = jnp.power(_c(s["beta_2"], dt), local_step)
   alpha = lr * jnp.sqrt(1 - beta_2_power) / (1 - beta_1_power)
-  m = slots["m"] + (g - slots["m"]) * _c(1 - s["beta_1"])
-  v = slots["v"] + (jnp.square(g) - slots["v"]) * _c(1 - s["beta_2"])
+  m = slots["m"] + (g - slots["m"]) * _c(1 - s["beta_1"], dt)
+  v = slots["v"] + (jnp.square(g) - slots["v"]) * _c(1 - s["beta_2"], dt)
   new = {"m": m, "v": v}
   if s["amsgrad"]:
     v = new["v_hat"] = jnp.maximum(slots["v_hat"], v)
-  return p - (m * alpha) / (jnp.sqrt(v) + _c(s["epsilon"])), new
+  return p - (m * alpha) / (jnp.sqrt(v) + _c(s["epsilon"], dt)), new
 
 
 def _rmsprop(s, g, p, slots, lr, iterations):
   del iterations
-  rho = s["rho"]
-  velocity = _c(rho) * slots["velocity"] + _c(1 - rho) * jnp.square(g)
+  rho, dt = s["rho"], p.dtype
+  velocity = _c(rho, dt) * slots["velocity"] + _c(1 - rho, dt) * jnp.square(g)
   new = {"velocity": velocity}
   if s["centered"]:
-    average = _c(rho) * slots["average_gradient"] + _c(1 - rho) * g
+    average = _c(rho, dt) * slots["average_gradient"] + _c(1 - rho, dt) * g
     new["average_gradient"] = average
-    denominator = velocity - jnp.square(average) + _c(s["epsilon"])
+    denominator = velocity - jnp.square(average) + _c(s["epsilon"], dt)
   else:
-    denominator = velocity + _c(s["epsilon"])
+    denominator = velocity + _c(s["epsilon"], dt)
   increment = (lr * g) / jnp.sqrt(denominator)
   if s["momentum"] > 0:
-    new["momentum"] = _c(s["momentum"]) * slots["momentum"] + increment
+    new["momentum"] = _c(s["momentum"], dt) * slots["momentum"] + increment
     return p - new["momentum"], new
   return p - increment, new
 
@@ -222,7 +225,7 @@ def _rmsprop(s, g, p, slots, lr, iterations):
 def _adagrad(s, g, p, slots, lr, iterations):
   del iterations
   accumulator = slots["accumulator"] + jnp.square(g)
-  step = (lr * g) / jnp.sqrt(accumulator + _c(s["epsilon"]))
+  step = (lr * g) / jnp.sqrt(accumulator + _c(s["epsilon"], p.dtype))
   return p - step, {"accumulator": accumulator}
 
 
