@@ -314,7 +314,8 @@ def test_learning_rate_read_and_changed_under_jit():
   state = jax.jit(opt.set_learning_rate)(state, 0.5)
   assert float(opt.learning_rate(state)) == 0.5
   grads = jax.tree.map(jnp.ones_like, params)
-  new, _ = opt.apply_gradients(grads, state, params)  # unscaled (scale 1)
+  unscaled = ols.porting.UnscaledGradients(grads)  # scale 1
+  new, _ = opt.apply_gradients(unscaled, state, params)
   chex.assert_trees_all_equal(
     new, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
   )
@@ -568,6 +569,14 @@ def test_mixing_the_idioms_never_divides_twice():
   new, _ = named.apply_gradients(unscaled, state, params)
   chex.assert_trees_all_equal(u1, u2, {"w": jnp.full(2, -3.0)})
   chex.assert_trees_all_equal(new, {"w": jnp.full(2, -2.0)})
+
+  # The scaled gradients where unscaled ones belong: applied as given (the
+  # step 8 times too large), as tf_keras applies them, with a warning.
+  with pytest.warns(UserWarning, match=r"opt.get_unscaled_gradients\(grads, state\)"):
+    wrong, _ = named.apply_gradients(scaled, state, params)
+  chex.assert_trees_all_equal(wrong, {"w": jnp.full(2, 1.0 - 24.0)})
+  with pytest.warns(UserWarning, match="loss scale times too large"):
+    jax.jit(named.apply_gradients)(scaled, state, params)
 
   plain = ols.porting.LossScaleOptimizer(optax.sgd(1.0), initial_scale=8.0)
   state = plain.init(params)
@@ -826,7 +835,7 @@ def test_the_dynamic_scale_step_by_step(initial, legacy):
   scales = []
   for finite in finite_seq:
     grads = {"w": jnp.full(2, 1.0 if finite else jnp.inf)}
-    params, state = step(grads, state, params)
+    params, state = step(P.UnscaledGradients(grads), state, params)
     scales.append(float(opt.loss_scale(state)))
   assert scales == _rule_reference(initial, 3, finite_seq, floor=legacy)
   if initial == 2.0**-10:  # after the first backoff (step 4)
@@ -916,6 +925,12 @@ def test_get_ema_params_reads_every_average(form):
      r"opt.scale_loss\(loss, state\)"),
     (lambda: P.LossScaleOptimizer("sgd").get_unscaled_gradients({"w": jnp.ones(1)}),
      r"opt.get_unscaled_gradients\(grads, state\)"),
+    (lambda: P.ExperimentalLossScaleOptimizer("adam", "dynamic", learning_rate=1e-3),
+     r"^ExperimentalLossScaleOptimizer got .*LossScaleOptimizer\(\{'class_name': "
+     r"'adam', 'config': \{'learning_rate': 0.001\}\}"),
+    (lambda: P.ExperimentalLossScaleOptimizer("sgd", loss_scale=8, clipnorm=1.0),
+     r"takes only `optimizer` and `loss_scale`.*"
+     r"LossScaleOptimizer\(optimizer, clipnorm=1.0, ...\)"),
   ],
 )  # fmt: skip
 def test_errors_say_what_to_write(call, match):

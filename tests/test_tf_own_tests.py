@@ -286,7 +286,7 @@ def test_nan_on_one_replica_only():
   state = opt.init(var)
   grads = jnp.stack([var * 0 + 2.0, jnp.array([1.0, np.nan])])  # replica 1: NaN
   step = jax.vmap(opt.apply_gradients, (0, None, None), axis_name="replica")
-  new_var, new_state = step(grads, state, var)
+  new_var, new_state = step(ols.porting.UnscaledGradients(grads), state, var)
   np.testing.assert_allclose(new_var, [[1.0, 2.0]] * 2)
   assert float(opt.loss_scale(jax.tree.map(lambda x: x[0], new_state))) == 1.0
 

@@ -7,6 +7,7 @@ arguments; everything else is that class's.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from optax_lossscale._base import tree as _tree
@@ -46,9 +47,30 @@ class ExperimentalLossScaleOptimizer(LossScaleOptimizer):
     True
   """
 
-  def __new__(cls, optimizer: Any, loss_scale: Any):
+  def __new__(cls, optimizer: Any, loss_scale: Any, **unexpected: Any):
+    if unexpected:
+      raise ValueError(_unexpected_message(optimizer, unexpected))
     kwargs = _from_loss_scale(loss_scale)
     return LossScaleOptimizer.__new__(cls, optimizer, **kwargs)
+
+
+def _unexpected_message(optimizer: Any, unexpected: dict[str, Any]) -> str:
+  """What to write instead: TensorFlow's deprecated constructor takes only
+  ``optimizer`` and ``loss_scale``; ``LossScaleOptimizer`` takes the rest."""
+  own = inspect.signature(LossScaleOptimizer.__new__).parameters
+  theirs = {k: v for k, v in unexpected.items() if k in own}
+  if not theirs:  # an optimizer's hyper-parameters
+    return _keras._unexpected_message(
+      optimizer, unexpected, owner="ExperimentalLossScaleOptimizer"
+    )
+  given = ", ".join(f"{k}={v!r}" for k, v in unexpected.items())
+  return (
+    f"ExperimentalLossScaleOptimizer got unexpected keyword argument(s) "
+    f"{given}. TensorFlow's deprecated constructor takes only `optimizer` "
+    "and `loss_scale`; for the other arguments write LossScaleOptimizer("
+    f"optimizer, {', '.join(f'{k}={v!r}' for k, v in theirs.items())}, ...) "
+    "(loss_scale=x is dynamic=False, initial_scale=x there)."
+  )
 
 
 def _from_loss_scale(loss_scale: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ loss scale. Either way it is an optax ``GradientTransformationExtraArgs``.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -42,10 +43,13 @@ DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
 DEFAULT_NAME = "loss_scale_optimizer"
 
 
-def _unexpected_message(inner: Any, unexpected: dict[str, Any]) -> str:
-  """What to write instead of an optimizer's hyper-parameters as keywords."""
+def _unexpected_message(
+  inner: Any, unexpected: dict[str, Any], owner: str = "LossScaleOptimizer"
+) -> str:
+  """What to write instead of an optimizer's hyper-parameters as keywords
+  (``owner``: the class that got them)."""
   given = ", ".join(f"{k}={v!r}" for k, v in unexpected.items())
-  head = f"LossScaleOptimizer got unexpected keyword argument(s) {given}."
+  head = f"{owner} got unexpected keyword argument(s) {given}."
   if isinstance(inner, str):
     hyper = ", ".join(f"{k!r}: {v!r}" for k, v in unexpected.items())
     return (
@@ -522,6 +526,14 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     Checks ``grads`` (plain or from :meth:`get_unscaled_gradients`), adjusts
     the scale, and applies the step if they are finite.
 
+    Gradients that :meth:`get_unscaled_gradients` did not return (its
+    :class:`UnscaledGradients` mark) are applied as given, with a
+    ``UserWarning``: if they are the gradients of the scaled loss, the step
+    is the loss scale times too large. tf_keras applies them too, with the
+    same warning (TensorFlow's idiom allows unscaling by hand); gradients
+    unscaled by other means go in as ``UnscaledGradients(grads)``, which
+    silences it.
+
     Returns:
       ``(new_params, new_state)``.
     """
@@ -531,7 +543,18 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         "scale around an optax transformation does not: call update() with "
         "the gradients of scale_loss(), or give the inner optimizer by name."
       )
-    tree, _ = _tf_step.unwrap(grads)
+    tree, marked = _tf_step.unwrap(grads)
+    if not marked:
+      warnings.warn(
+        "apply_gradients() got gradients that get_unscaled_gradients() did "
+        "not return: they are applied as given. If they are the gradients "
+        "of the scaled loss, the step is the loss scale times too large; "
+        "write grads = opt.get_unscaled_gradients(grads, state) first (or "
+        "pass them to update(), which unscales). Gradients unscaled by other "
+        "means: pass ols.porting.UnscaledGradients(grads).",
+        UserWarning,
+        stacklevel=2,
+      )
     return self._keras.step(_tf_step.UnscaledGradients(tree), state, params)
 
   @staticmethod
