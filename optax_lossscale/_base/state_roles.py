@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import jax
+
 from optax_lossscale._base import tree as _tree
 
 __all__ = [
@@ -22,6 +24,8 @@ __all__ = [
   "is_half_by_design",
   "is_quantized",
   "keeps_masters",
+  "state_leaves",
+  "tested_array",
 ]
 
 
@@ -53,11 +57,14 @@ class HalfByDesign(Protocol):
 class StoredQuantized(Protocol):
   """A state leaf stored block-quantised (``quantize_state``'s): the inner
   transformation made it in ``dtype``; ``block_size`` elements share a
-  scale. Inspectors read its dtype here, not from an array."""
+  scale. Inspectors read its dtype here, not from an array; ``scales``
+  holds one float32 scale a block, infinite where the block held NaN or an
+  infinity."""
 
   stored_quantized: ClassVar[bool]
   dtype: Any
   block_size: int
+  scales: Any
 
 
 def keeps_masters(x: Any) -> bool:
@@ -74,6 +81,47 @@ def is_half_by_design(x: Any) -> bool:
 def is_quantized(x: Any) -> bool:
   """Whether ``x`` is a :class:`StoredQuantized` state leaf."""
   return _declares(x, StoredQuantized)
+
+
+def state_leaves(tree: Any) -> list[tuple[tuple, Any]]:
+  """The leaves of an optimizer state as an inspector must read them.
+
+  Every array leaf, and every :class:`StoredQuantized` leaf whole (its
+  ``dtype`` is the dtype the optimizer computes it in, which its codes and
+  scales, arrays of other dtypes, do not show); ``nnx`` variables are read
+  through (the path stops at the variable), at any depth. The one walk
+  behind every reader of a state's dtypes and values (the float16 state
+  warning, ``check_skipped_steps``' suspects, the checkpoint guard, the
+  loss-scale plan), so that each sees inside every state form alike.
+
+  Returns:
+    ``(key path, leaf)`` pairs in ``jax.tree`` order; a leaf is an array (or
+    other non-pytree leaf) or a :class:`StoredQuantized` leaf.
+  """
+  out: list[tuple[tuple, Any]] = []
+
+  def visit(node: Any, prefix: tuple) -> None:
+    if is_quantized(node):
+      out.append((prefix, node))
+      return
+    stop = lambda x: x is not node and (is_quantized(x) or _tree.is_variable(x))  # noqa: E731
+    for path, x in jax.tree_util.tree_flatten_with_path(node, is_leaf=stop)[0]:
+      if is_quantized(x) or _tree.is_variable(x):
+        visit(_tree.unwrap(x), prefix + path)
+      else:
+        out.append((prefix + path, x))
+
+  visit(tree, ())
+  return out
+
+
+def tested_array(leaf: Any) -> Any:
+  """The floating array whose entries are all finite exactly when ``leaf``'s
+  are: a floating array itself, a :class:`StoredQuantized` leaf's block
+  scales; ``None`` for any other leaf (an integer counter, ``None``)."""
+  if is_quantized(leaf):
+    return leaf.scales
+  return leaf if _tree.is_float_array(leaf) else None
 
 
 def holds_masters(opt_state: Any) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import finite as _finite
 
@@ -25,18 +26,20 @@ _all_finite = jax.jit(_finite.leaves_finite)
 
 
 def _floating_leaves(tree: Any, caller: str = "check_checkpoint") -> list:
-  """``(path, array)`` of the floating array leaves (``nnx`` variables unwrapped)."""
-  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_tree.is_variable)[0]
+  """``(path, leaf, array)`` of the leaves holding floating values: each
+  floating array (``array`` is the leaf), and each block-quantised state
+  leaf (``array`` is its block scales, infinite where a block held NaN or
+  an infinity); ``nnx`` variables are read through."""
   out = []
-  for path, x in flat:
-    x = _tree.unwrap(x)
-    if isinstance(x, jax.core.Tracer):
+  for path, x in _roles.state_leaves(tree):
+    tested = _roles.tested_array(x)
+    if isinstance(tested, jax.core.Tracer) or isinstance(x, jax.core.Tracer):
       raise ValueError(
         f"{caller} reads the values on the host: call it outside jax.jit, "
         "not inside a traced function."
       )
-    if _tree.is_float_array(x):
-      out.append((_tree.keystr(path), x))
+    if tested is not None:
+      out.append((_tree.keystr(path), x, tested))
   return out
 
 
@@ -64,7 +67,9 @@ def check_checkpoint(tree: Any, *, what: str = "state") -> Any:
   infinity, with counts: that compiles nothing, so a tree of 1000 leaves is
   named in well under a second (BENCHMARKS.md). Integer, boolean and
   non-array leaves (a step counter, strings) are not checked; ``nnx``
-  variables are read through.
+  variables are read through; a block-quantised state leaf
+  (:func:`quantize_state`, :func:`adam_8bit`) is named whole, with the
+  number of its blocks that hold NaN or inf (its block scales tell).
 
   Args:
     tree: what is about to be saved: parameters, an optimizer state, a Flax
@@ -107,12 +112,19 @@ def nonfinite_leaves(tree: Any, caller: str = "check_checkpoint") -> list[str]:
     ValueError: called on traced values (``caller`` names the function).
   """
   leaves = _floating_leaves(tree, caller)
-  if bool(_all_finite([x for _, x in leaves])):
+  if bool(_all_finite([x for _, _, x in leaves])):
     return []
   bad = []
-  for path, x in leaves:
+  for path, leaf, x in leaves:
     nans, infs = _counts(x)
-    if nans or infs:
-      kinds = [f"{n} {k}" for n, k in ((nans, "NaN"), (infs, "inf")) if n]
-      bad.append(f"{path}: {' and '.join(kinds)} (of {x.size} entries)")
+    if not (nans or infs):
+      continue
+    if _roles.is_quantized(leaf):  # which entries is not stored: its blocks
+      bad.append(
+        f"{path} (quantised {np.dtype(leaf.dtype).name}): {nans + infs} of "
+        f"{x.size} blocks hold NaN or inf"
+      )
+      continue
+    kinds = [f"{n} {k}" for n, k in ((nans, "NaN"), (infs, "inf")) if n]
+    bad.append(f"{path}: {' and '.join(kinds)} (of {x.size} entries)")
   return bad

@@ -18,7 +18,12 @@ import jax.numpy as jnp
 from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._base import tree as _tree
 
-__all__ = ["HalfPrecisionStateWarning", "warn_half_state", "without_half_by_design"]
+__all__ = [
+  "HalfPrecisionStateWarning",
+  "half_leaves",
+  "warn_half_state",
+  "without_half_by_design",
+]
 
 
 class HalfPrecisionStateWarning(UserWarning):
@@ -37,6 +42,21 @@ def without_half_by_design(state: Any) -> Any:
   return jax.tree.map(lambda x: None if marked(x) else x, state, is_leaf=marked)
 
 
+def half_leaves(inner_state: Any) -> list[str]:
+  """The paths of ``inner_state``'s float16 leaves, a
+  :class:`~optax_lossscale._base.state_roles.HalfByDesign` state left out.
+
+  A block-quantised leaf counts by the dtype it is decoded to for each
+  update (its declared ``dtype``), not by its 8-bit codes and float32
+  scales; ``nnx`` variables are read through.
+  """
+  return [
+    jax.tree_util.keystr(path)
+    for path, x in _roles.state_leaves(without_half_by_design(inner_state))
+    if getattr(x, "dtype", None) == jnp.float16
+  ]
+
+
 def warn_half_state(params: Any, inner_state: Any) -> None:
   """A :class:`HalfPrecisionStateWarning` when the optimizer keeps float16
   state for float16 parameters.
@@ -51,20 +71,14 @@ def warn_half_state(params: Any, inner_state: Any) -> None:
   leaves = jax.tree.leaves(params, is_leaf=_tree.is_variable)
   if not any(getattr(_tree.unwrap(p), "dtype", None) == jnp.float16 for p in leaves):
     return
-  scanned = without_half_by_design(inner_state)
-  half = [
-    jax.tree_util.keystr(path)
-    for path, x in jax.tree_util.tree_flatten_with_path(
-      scanned, is_leaf=_tree.is_variable
-    )[0]
-    if getattr(_tree.unwrap(x), "dtype", None) == jnp.float16
-  ]
+  half = half_leaves(inner_state)
   if not half:
     return
   warnings.warn(
     f"The parameters are float16 and the optimizer keeps {len(half)} state "
     f"leaves in float16 too (at .inner_state{half[0]}"
-    f"{', ...' if len(half) > 1 else ''}). Optimizer state in float16 "
+    f"{', ...' if len(half) > 1 else ''}; a quantised leaf is decoded to "
+    "float16 for each update). Optimizer state in float16 "
     "underflows and overflows (Adam's second moment is 0 for gradients "
     "below about 0.0055 and its eps=1e-8 is 0, g**2 is inf above 256): the "
     "parameters become inf or NaN within a few steps, every later step is "

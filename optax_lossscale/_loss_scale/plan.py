@@ -122,7 +122,8 @@ def loss_scale_plan(opt_state: Any, grads: Any) -> LossScalePlan:
     opt_state: an optimizer state holding one loss-scale state (or a Flax
       train state, or an ``nnx.Optimizer``).
     grads: a gradient tree (the parameters do as well: only the structure
-      and dtypes are read).
+      and dtypes are read); ``nnx`` variables are read through, as
+      ``nnx.Optimizer`` hands their arrays to ``update``.
 
   Returns:
     A :class:`LossScalePlan`; ``print`` it for a table.
@@ -139,7 +140,8 @@ def loss_scale_plan(opt_state: Any, grads: Any) -> LossScalePlan:
   inner_state = _search.find_loss_scale_state(
     _opt_state.optimizer_state(opt_state)
   ).inner_state
-  return plan_of(inner_state, grads)
+  # nnx gradients (an nnx.State of variables) reach update as their arrays
+  return plan_of(_tree.unwrap_variables(inner_state), _tree.unwrap_variables(grads))
 
 
 def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
@@ -192,11 +194,8 @@ def _quantized_by_owner(inner_state: Any, param_paths: list) -> dict[str, list[s
   belongs to the parameter whose path ends its own path (Adam's ``mu`` of
   ``['w']`` is at ``[0].mu['w']``)."""
   owners = {tuple(p): _tree.keystr(p) for p in param_paths}
-  found = jax.tree_util.tree_flatten_with_path(
-    inner_state, is_leaf=_roles.is_quantized
-  )[0]
   out: dict[str, list[str]] = {}
-  for path, x in found:
+  for path, x in _roles.state_leaves(inner_state):
     if not _roles.is_quantized(x):
       continue
     owner = owners.get(_tree.owner_path(path, owners))

@@ -10,10 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
 from optax_lossscale._base import state_roles as _roles
-from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale import finite as _finite
@@ -148,16 +146,14 @@ def _optimizer_suspects(opt_state: Any) -> str:
   updates), or that are float16 (state that under- and overflows; a
   ``kahan_summation`` compensation is float16 by design and not counted).
   """
-  inner = _tree.unwrap_variables(_search.find_loss_scale_state(opt_state).inner_state)
-  inner = _half_state.without_half_by_design(inner)
-  broken, half = [], []
-  for path, x in jax.tree_util.tree_flatten_with_path(inner)[0]:
-    if not _tree.is_float_array(x):
-      continue
-    if sum(_finite.count_nonfinite(x)):
-      broken.append(jax.tree_util.keystr(path))
-    if x.dtype == np.float16:
-      half.append(jax.tree_util.keystr(path))
+  inner = _search.find_loss_scale_state(opt_state).inner_state
+  tested = [(p, _roles.tested_array(x)) for p, x in _roles.state_leaves(inner)]
+  broken = [
+    jax.tree_util.keystr(path)
+    for path, x in tested
+    if x is not None and sum(_finite.count_nonfinite(x))
+  ]
+  half = _half_state.half_leaves(inner)
   text = ""
   if broken:
     text += (
