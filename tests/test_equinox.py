@@ -228,3 +228,43 @@ def test_autocast_keeps_python_numbers_as_constants():
   # Arrays (JAX and NumPy, scalars included) are traced, as before.
   jaxpr = jax.make_jaxpr(lambda s: scaled(x, s, True))(jnp.float32(2.0))
   assert len(jaxpr.jaxpr.invars) == 1
+
+
+@pytest.mark.standard_promotion  # optax's adam
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: ols.master_weights(optax.adam(1e-2), store="float32"),
+    lambda: ols.dynamic_loss_scale(
+      ols.master_weights(optax.adam(1e-2), store="float32")
+    ),
+  ],
+  ids=["master_weights", "loss scale of master_weights"],
+)
+def test_parameters_whose_dtype_changed_are_named_with_both_dtypes(eqx, make, request):
+  # float16 parameters that eqx.apply_updates left float32 (its sum is
+  # promoted; optax.apply_updates casts back): each changed leaf is named
+  # with the dtype the state was made for and the one given now.
+  model = eqx.nn.Linear(3, 2, key=jax.random.key(0), dtype=jnp.float16)
+  params = eqx.filter(model, eqx.is_inexact_array)
+  tx = make()
+  with __import__("warnings").catch_warnings():
+    __import__("warnings").simplefilter("ignore", ols.HalfPrecisionStateWarning)
+    state = tx.init(params)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, state = tx.update(grads, state, params)
+  promoted = eqx.apply_updates(params, updates)
+  assert {x.dtype for x in jax.tree.leaves(promoted)} == {jnp.dtype(jnp.float32)}
+  with pytest.raises(ValueError) as e:
+    tx.update(grads, state, promoted)
+  message = str(e.value)
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    shape = list(p.shape)
+    at = jax.tree_util.keystr(path)
+    if request.node.callspec.id == "master_weights":  # its first leaf
+      assert "changed from float16 or bfloat16 to float32" in message, message
+      break
+    assert f"{at} float16{shape} -> float32{shape}" in message, message
+  # cast back, as optax.apply_updates does, the step goes on
+  back = jax.tree.map(lambda n, p: n.astype(p.dtype), promoted, params)
+  tx.update(grads, state, back)

@@ -76,6 +76,15 @@ class InitMemo:
     self._made[signature(params)] = abstract(state)
     return state
 
+  def seen_for(self, structure: Any) -> list[Hashable]:
+    """The parameter signatures (:func:`signature`) for which ``init`` made a
+    state of this tree ``structure``, most recent first."""
+    return [
+      key
+      for key, state in reversed(self._made.items())
+      if jax.tree.structure(state) == structure
+    ]
+
   def made(self, params: Any) -> Any:
     """The abstract state ``init(params)`` makes: remembered, or traced once
     (``jax.eval_shape``; what ``init`` raises propagates, and is not kept)."""

@@ -15,11 +15,12 @@ from typing import Any
 import jax
 
 from optax_lossscale._base import tree as _tree
-from optax_lossscale._base.init_memo import InitMemo
+from optax_lossscale._base.init_memo import InitMemo, signature
 
 __all__ = [
   "blame_none_gradients",
   "check_inner_state",
+  "changed_leaves",
   "check_state_type",
   "none_gradients",
   "optimizer_state",
@@ -84,6 +85,19 @@ def check_inner_state(
         "every parameter. Give zeros there, or pass params to update (it then "
         "names the parameter)."
       )
+    changed = changed_leaves(memo, like, got)
+    if changed:
+      raise ValueError(
+        f"The parameters given to {owner}'s update are not those its state "
+        f"was made for: {'; '.join(changed[:4])}"
+        f"{' ...' if len(changed) > 4 else ''}. A dtype that changed between "
+        "steps is most often an update applied without casting back: "
+        "optax.apply_updates casts each sum to its parameter's dtype, "
+        "Equinox's eqx.apply_updates keeps the promoted dtype (master_weights' "
+        "updates of half-precision parameters are float32). Cast the "
+        "parameters back to their dtypes after applying the updates, or init "
+        "a fresh state for the new parameters."
+      )
     raise ValueError(
       f"The state's inner_state was not made by {owner}'s inner "
       "optimizer for these parameters (a state saved with another optimizer, "
@@ -93,6 +107,41 @@ def check_inner_state(
       f"  state holds:    {_tree.short(got)}\n"
       f"  inner.init has: {_tree.short(expected)}"
     )
+
+
+def changed_leaves(memo: InitMemo, like: Any, structure: Any) -> list[str]:
+  """How ``like`` differs from the parameters an ``init`` of ``memo`` made a
+  state of tree ``structure`` for, leaf by leaf: ``"['w'] float16[2, 3] ->
+  float32[2, 3]"``. Empty when no ``init`` this process ran made such a
+  state for parameters of ``like``'s tree (a restored state: nothing known
+  to compare with)."""
+  treedef, now = signature(like)
+  paths = [
+    _tree.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(
+      jax.tree.unflatten(treedef, [0] * treedef.num_leaves)
+    )[0]
+  ]
+  for old_def, before in memo.seen_for(structure):
+    if old_def != treedef:
+      continue
+    changed = [
+      f"{path} {_describe(b)} -> {_describe(n)}"
+      for path, b, n in zip(paths, before, now, strict=True)
+      if b != n
+    ]
+    if changed:
+      return changed
+  return []
+
+
+def _describe(leaf: tuple) -> str:
+  """A leaf of a :func:`signature`, as a message writes it."""
+  if len(leaf) == 1:
+    return leaf[0].__name__
+  shape, dtype, spec = leaf
+  where = "" if spec is None else f" sharded {spec}"
+  return f"{jax.numpy.dtype(dtype).name}{list(shape)}{where}"
 
 
 def none_gradients(grads: Any, params: Any) -> list[str]:

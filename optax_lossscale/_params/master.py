@@ -115,6 +115,18 @@ def _check_kept(where: str, path: str, p: Any, kept: Any, store: str) -> None:
   refusal where it is the transformation's)."""
   want = _kept_dtype(path, p, store, refuse=where == "master_weights")
   got = getattr(kept, "dtype", None)
+  if want is None and got is not None and getattr(p, "shape", None) == kept.shape:
+    was = "bfloat16" if got == jnp.int16 else "float16 or bfloat16"
+    raise ValueError(
+      f"{where}: the parameter at {path} is {p.dtype}, where the state keeps "
+      f"a master weight of a {was} parameter: its dtype changed from {was} to "
+      f"{p.dtype} since the state was made, or the state was made for other "
+      "parameters. An update applied without casting back changes the dtype "
+      "(eqx.apply_updates keeps the float32 of a half-precision parameter plus "
+      "its float32 update; optax.apply_updates casts back): cast the "
+      "parameters back to their dtypes after applying the updates, or init "
+      "the state on these."
+    )
   if got != want or (want is not None and kept.shape != p.shape):
     kind = "" if p is None else f"{getattr(p, 'dtype', type(p).__name__)}"
     shape = list(getattr(p, "shape", []))
