@@ -60,7 +60,7 @@ def _unexpected_message(optimizer: Any, unexpected: dict[str, Any]) -> str:
   own = inspect.signature(LossScaleOptimizer.__new__).parameters
   theirs = {k: v for k, v in unexpected.items() if k in own}
   if not theirs:  # an optimizer's hyper-parameters
-    return _keras._unexpected_message(
+    return _keras.unexpected_message(
       optimizer, unexpected, owner="ExperimentalLossScaleOptimizer"
     )
   given = ", ".join(f"{k}={v!r}" for k, v in unexpected.items())

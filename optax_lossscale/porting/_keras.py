@@ -43,7 +43,7 @@ DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
 DEFAULT_NAME = "loss_scale_optimizer"
 
 
-def _unexpected_message(
+def unexpected_message(
   inner: Any, unexpected: dict[str, Any], owner: str = "LossScaleOptimizer"
 ) -> str:
   """What to write instead of an optimizer's hyper-parameters as keywords
@@ -321,7 +321,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     **unexpected: Any,
   ):
     if unexpected:
-      raise ValueError(_unexpected_message(inner_optimizer, unexpected))
+      raise ValueError(unexpected_message(inner_optimizer, unexpected))
     for arg, flag in (("dynamic", dynamic), ("legacy_keras", legacy_keras)):
       if not isinstance(flag, bool):
         raise ValueError(f"`{arg}` must be a bool, got {flag!r}.")
