@@ -107,3 +107,131 @@ def test_float32_work_is_still_cast(matmul):
   (found,) = ols.list_matmuls(fast, A / 64, B / 64)
   assert found.precision == (matmul or "float16") and found.out_dtype == "float16"
   assert fast(A / 64, B / 64).dtype == jnp.float32
+
+
+# --- every output autocast can meet ---------------------------------------------
+
+#: Outputs beside the loss, each made inside the function from its input ``x``
+#: (float32): constants of every dtype (a jaxpr literal where JAX makes one),
+#: Python numbers, ``None``, NumPy constants it closes over, and its input
+#: passed straight through.
+OUTPUTS = {
+  "bool array": lambda x: jnp.array(True),
+  "Python bool": lambda x: True,
+  "bool vector": lambda x: jnp.array([True, False]),
+  "int32 array": lambda x: jnp.array(3),
+  "Python int": lambda x: 3,
+  "uint8 array": lambda x: jnp.arange(3, dtype=jnp.uint8),
+  "int8 scalar": lambda x: jnp.int8(-2),
+  "float32 array": lambda x: jnp.array(1.5, jnp.float32),
+  "Python float": lambda x: 2.5,
+  "float16 array": lambda x: jnp.array([1.5, 65504.0], jnp.float16),
+  "bfloat16 array": lambda x: jnp.array(1.5, jnp.bfloat16),
+  "complex64 array": lambda x: jnp.array(1 + 2j, jnp.complex64),
+  "None": lambda x: None,
+  "NumPy float32": lambda x: np.float32(2.0),
+  "NumPy bool array": lambda x: np.array([True, False]),
+  "NumPy uint8 array": lambda x: np.arange(3, dtype=np.uint8),
+  "the input": lambda x: x,
+  "the input, reshaped": lambda x: x.reshape(-1),
+  "a float32 result": lambda x: jnp.sin(x),
+  "a boolean result": lambda x: x > 1,
+}
+
+
+def _loss_and(make, form):
+  """``x -> (loss, output)``: the output made by ``make`` reached by ``form``."""
+
+  def loss(x):
+    return jnp.sum(x @ x)
+
+  def direct(x):
+    return loss(x), make(x)
+
+  def scan(x):  # a loop's stacked outputs and its carry
+    carry, ys = lax.scan(lambda c, _: (c, make(x)), make(x), length=2)
+    return loss(x), (carry, ys)
+
+  def while_loop(x):
+    _, out = lax.while_loop(
+      lambda s: s[0] < 2, lambda s: (s[0] + 1, make(x)), (0, make(x))
+    )
+    return loss(x), out
+
+  def cond(x):  # a branch's output
+    return loss(x), lax.cond(x[0, 0] > 0, lambda: make(x), lambda: make(x))
+
+  def checkpoint(x):
+    return jax.checkpoint(lambda x: (loss(x), make(x)))(x)
+
+  def jit(x):  # a call's output
+    return jax.jit(lambda x: (loss(x), make(x)))(x)
+
+  return {
+    "direct": direct,
+    "scan": scan,
+    "while": while_loop,
+    "cond": cond,
+    "checkpoint": checkpoint,
+    "jit": jit,
+  }[form]
+
+
+def _call(f, x):
+  return f(x)
+
+
+def _grad(f, x):
+  grads, out = jax.grad(f, has_aux=True)(x)
+  return grads, out
+
+
+def _value_and_grad(f, x):
+  (loss, out), grads = jax.value_and_grad(f, has_aux=True)(x)
+  return (loss, grads), out
+
+
+def _assert_same_outputs(got, want):
+  """Same tree, dtypes, weak types, shapes and values."""
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert (g.dtype, g.weak_type, g.shape) == (w.dtype, w.weak_type, w.shape)
+    np.testing.assert_array_equal(g, w)
+
+
+@pytest.mark.sampled
+@pytest.mark.parametrize("entry", [_call, _grad, _value_and_grad])
+@pytest.mark.parametrize(
+  "form", ["direct", "scan", "while", "cond", "checkpoint", "jit"]
+)
+@pytest.mark.parametrize("matmul", [None, "float8"])
+@pytest.mark.parametrize("output", OUTPUTS)
+def test_every_output_comes_back_as_from_the_plain_function(
+  output, matmul, form, entry
+):
+  # x holds small integers: the loss, its gradient and the outputs computed
+  # from x are exact in bfloat16 and float8, so the plain function (jitted,
+  # as autocast is) is the reference for every value.
+  x = jnp.asarray([[0.0, 1.0], [2.0, -1.0]], jnp.float32)
+  f = _loss_and(OUTPUTS[output], form)
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=matmul)
+  (got_main, got), (want_main, want) = entry(fast, x), jax.jit(lambda x: entry(f, x))(x)
+  _assert_same_outputs(got, want)
+  _assert_same_outputs(got_main, want_main)
+
+
+def test_float64_outputs_come_back_as_from_the_plain_function():
+  with versions.x64():
+    x = jnp.asarray([[0.0, 1.0], [2.0, -1.0]], jnp.float32)
+    wide = jnp.asarray([1.0, 1e-300], jnp.float64)
+
+    def f(x, wide):
+      extra = (jnp.array(1.5), 2.5, jnp.array(3), wide, -wide, np.float64(1e300))
+      return jnp.sum(x @ x), extra
+
+    fast = ols.autocast(f, compute_dtype=jnp.bfloat16)
+    want = jax.jit(f)(x, wide)
+    assert jnp.dtype(want[1][0].dtype) == jnp.float64  # x64 is on
+    _assert_same_outputs(fast(x, wide)[1], want[1])
+    _, got = jax.grad(fast, has_aux=True)(x, wide)
+    _assert_same_outputs(got, want[1])

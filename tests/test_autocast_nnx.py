@@ -243,3 +243,58 @@ def test_a_bare_variable_and_rngs_are_carried_back():
     np.testing.assert_array_equal(got, want)  # the stream advanced alike
   np.testing.assert_array_equal(v[...], jnp.full(3, 2.0))
   assert int(rngs.default.count[...]) == 2
+
+
+class Flag(nnx.Variable):
+  pass
+
+
+class Flagged(nnx.Module):
+  """A layer that writes a constant into its state, as a first-call flag does."""
+
+  def __init__(self, value):
+    self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    self.flag = Flag(value)
+
+  def __call__(self, x, make):
+    self.flag.set_value(make(x))
+    return jnp.sum(self.linear(x) ** 2)
+
+
+#: What the call writes: constants of every dtype, Python numbers, None, the
+#: input passed through.
+WRITTEN = {
+  "bool array": lambda x: jnp.array(False),
+  "Python bool": lambda x: False,
+  "Python float": lambda x: 2.5,
+  "int32 array": lambda x: jnp.array(7),
+  "uint8 array": lambda x: jnp.arange(3, dtype=jnp.uint8),
+  "float16 array": lambda x: jnp.array(1.5, jnp.float16),
+  "complex64 array": lambda x: jnp.array(1j, jnp.complex64),
+  "None": lambda x: None,
+  "the input": lambda x: x,
+}
+
+
+@pytest.mark.sampled
+@pytest.mark.parametrize("entry", [_eager, _nnx_jit, _nnx_grad, _nnx_value_and_grad])
+@pytest.mark.parametrize("written", WRITTEN)
+def test_constants_written_into_state_as_without_autocast(written, entry):
+  make = WRITTEN[written]
+  x = jnp.ones((1, 2))
+  f = lambda m, x: m(x, make)  # noqa: E731
+  plain, cast = Flagged(make(x)), Flagged(make(x))
+  # The plain function under nnx.jit: a written Python number comes back an
+  # array there, as under autocast (which traces as nnx.jit does).
+  _nnx_jit(lambda m, x: entry(f, m, x), plain, x)
+  entry(ols.autocast(f, compute_dtype=jnp.bfloat16), cast, x)
+  got, want = cast.flag.get_value(), plain.flag.get_value()
+  if want is None:
+    assert got is None
+    return
+  assert (got.dtype, got.weak_type, got.shape) == (
+    want.dtype,
+    want.weak_type,
+    want.shape,
+  )
+  np.testing.assert_array_equal(got, want)

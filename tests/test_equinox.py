@@ -217,6 +217,64 @@ def test_autocast_on_equinox_attention_keeps_its_python_numbers(eqx, dropout_p):
   np.testing.assert_allclose(float(loss), float(f(attention, x)), rtol=1e-2)
 
 
+def _batchnorm_net(eqx):
+  class Net(eqx.Module):
+    linear: eqx.nn.Linear
+    norm: eqx.nn.BatchNorm
+
+    def __init__(self, key):
+      self.linear = eqx.nn.Linear(4, 8, key=key)
+      # "ema" keeps a boolean first-call flag in its state, beside the averages.
+      self.norm = eqx.nn.BatchNorm(8, axis_name="batch", mode="ema", momentum=0.5)
+
+    def __call__(self, x, state):
+      return self.norm(self.linear(x), state)
+
+  return eqx.nn.make_with_state(Net)(jax.random.key(0))
+
+
+def _batchnorm_loss(model, state, x):
+  batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+  y, state = batched(x, state)
+  return jnp.mean(jnp.tanh(y) ** 2), state
+
+
+@pytest.mark.parametrize("entry", ["call", "filter_jit", "filter_value_and_grad"])
+def test_autocast_on_an_equinox_batchnorm_keeps_its_state(eqx, entry):
+  # Two steps, the state carried: the flag (True, then False) and the
+  # averages as the float32 model's, within bfloat16's precision.
+  def step(f):
+    if entry == "call":
+      return f
+    if entry == "filter_jit":
+      return eqx.filter_jit(f)
+    grad = eqx.filter_value_and_grad(f, has_aux=True)
+    return lambda *a: grad(*a)[0]
+
+  x = jax.random.normal(jax.random.key(1), (16, 4)) * 3 + 1
+  runs = []
+  for f in (_batchnorm_loss, ols.autocast(_batchnorm_loss, compute_dtype=jnp.bfloat16)):
+    model, state = _batchnorm_net(eqx)
+    losses = []
+    for _ in range(2):
+      loss, state = step(f)(model, state, x)
+      losses.append(float(loss))
+    runs.append((losses, state))
+  (want_losses, want), (got_losses, got) = runs
+  np.testing.assert_allclose(got_losses, want_losses, rtol=2e-2)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  kinds = set()
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert g.dtype == w.dtype
+    kinds.add(jnp.dtype(w.dtype).name)
+    if w.dtype == jnp.bool_:
+      np.testing.assert_array_equal(g, w)
+    else:
+      scale = float(jnp.max(jnp.abs(w)))
+      np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * scale)
+  assert kinds == {"bool", "float32"}  # the flag is among the state's leaves
+
+
 def test_autocast_keeps_python_numbers_as_constants():
   scaled = ols.autocast(
     lambda x, s, flag: x * s if flag else x, compute_dtype=jnp.float16

@@ -5,6 +5,7 @@ CI runs the suite twice: with the newest releases and the `test` extra
 no extras, where the tests below skip with these reasons.
 """
 
+import contextlib
 import importlib.util
 
 import jax
@@ -109,3 +110,17 @@ def _adam_refuses_none():
 adam_refuses_none = pytest.mark.skipif(
   not _adam_refuses_none(), reason="this optax's adam takes a None gradient"
 )
+
+
+@contextlib.contextmanager
+def x64():
+  """float64 on, for the block (JAX's context manager, old or new)."""
+  enable = getattr(jax, "enable_x64", None)
+  if enable is not None:
+    with enable(True):
+      yield
+  else:  # jax < 0.6
+    from jax.experimental import enable_x64
+
+    with enable_x64():
+      yield

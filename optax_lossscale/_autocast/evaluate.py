@@ -31,7 +31,7 @@ from optax_lossscale._base.jaxpr import ClosedJaxpr, Jaxpr, Literal
 from optax_lossscale._lowbit import block_matmul as _block_matmul
 from optax_lossscale._lowbit import float8 as _float8
 
-__all__ = ["Walk", "cast", "evaluate"]
+__all__ = ["Walk", "cast", "evaluate", "literal"]
 
 _F32 = jnp.dtype(jnp.float32)
 
@@ -46,6 +46,19 @@ def _follower(var, val) -> bool:
 
 def cast(x, dtype):
   return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+
+
+def literal(var: Literal):
+  """A literal's value as an array of its type.
+
+  A jaxpr's literal holds a Python or NumPy scalar (a constant ``True`` is
+  Python's ``bool``, without a dtype); its type is the literal's ``aval``,
+  weak type included (a Python number the function returns).
+  """
+  x = jnp.asarray(var.val)
+  if x.dtype != var.aval.dtype:
+    x = jnp.asarray(var.val, var.aval.dtype)
+  return x
 
 
 def _match(values, dtypes):
@@ -107,10 +120,26 @@ def evaluate(
   moved = moved_inputs(jaxpr, inputs)
 
   def eval_eqn(eqn, invals):
-    invals = [jnp.asarray(x) for x in invals]
+    invals = [
+      literal(v) if isinstance(v, Literal) else jnp.asarray(x)
+      for v, x in zip(eqn.invars, invals, strict=True)
+    ]
     return _eval_eqn(eqn, invals, walk.inside(eqn), float32, moved)
 
-  return _jaxpr.evaluate(jaxpr, consts, args, eval_eqn)
+  return _arrays(jaxpr, _jaxpr.evaluate(jaxpr, consts, args, eval_eqn))
+
+
+def _arrays(jaxpr: Jaxpr, outs: list) -> list:
+  """``jaxpr``'s output values, each an array of its type.
+
+  A constant output is a literal, a closed-over constant or a passed input
+  may be a NumPy value: the loops, branches and the function's boundary
+  read their dtypes.
+  """
+  return [
+    literal(v) if isinstance(v, Literal) else jnp.asarray(x)
+    for v, x in zip(jaxpr.outvars, outs, strict=True)
+  ]
 
 
 def _eval_eqn(eqn, invals, walk: Walk, float32: dict, moved: set):
@@ -367,7 +396,8 @@ def _cond(eqn, invals, walk, flags):
   ]
 
   def bound(r, *o):
-    return tuple(_match(_jaxpr.evaluate(r.jaxpr, r.consts, o, _jaxpr.bind), dtypes))
+    outs = _arrays(r.jaxpr, _jaxpr.evaluate(r.jaxpr, r.consts, o, _jaxpr.bind))
+    return tuple(_match(outs, dtypes))
 
   fns = [lambda *o, r=r: bound(r, *o) for r in rewritten]
   return list(lax.switch(index, fns, *ops))

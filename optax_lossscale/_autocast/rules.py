@@ -174,19 +174,22 @@ def moved_inputs(jaxpr: Jaxpr, inputs: Iterable[bool]) -> set:
   def holds(v) -> bool:
     return isinstance(v, _jaxpr.Literal) or v in moved
 
+  def held(v, found: set) -> bool:  # a sub-jaxpr's output: maybe a literal
+    return isinstance(v, _jaxpr.Literal) or v in found
+
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     found = body(eqn)
     outs = [False] * len(eqn.outvars)
     if found is not None:
       inner = moved_inputs(found[0], [holds(v) for v in eqn.invars])
-      outs = [v in inner for v in found[0].outvars]
+      outs = [held(v, inner) for v in found[0].outvars]
     elif name == "cond":
       ins = [holds(v) for v in eqn.invars[1:]]
       branches = [_jaxpr.closed(b)[0] for b in eqn.params["branches"]]
       sets = [moved_inputs(b, ins) for b in branches]
       outs = [
-        all(b.outvars[i] in m for b, m in zip(branches, sets, strict=True))
+        all(held(b.outvars[i], m) for b, m in zip(branches, sets, strict=True))
         for i in range(len(eqn.outvars))
       ]
     elif name == "scan":
@@ -195,7 +198,7 @@ def moved_inputs(jaxpr: Jaxpr, inputs: Iterable[bool]) -> set:
       ins = [holds(v) for v in eqn.invars]
       ins[nc : nc + ncarry] = [False] * ncarry
       inner = moved_inputs(sub, ins)
-      outs = [False] * ncarry + [v in inner for v in sub.outvars[ncarry:]]
+      outs = [False] * ncarry + [held(v, inner) for v in sub.outvars[ncarry:]]
     elif name in MOVES:
       floats = [v for v in eqn.invars if is_float(v.aval.dtype)]
       outs = [bool(floats) and all(holds(v) for v in floats)] * len(eqn.outvars)

@@ -77,7 +77,10 @@ def autocast(
   """``fun`` evaluated with per-primitive casting to ``compute_dtype``.
 
   Returns a function with ``fun``'s signature whose floating outputs have the
-  dtypes ``fun`` returns; integer and boolean values are never cast; its
+  dtypes ``fun`` returns; integer and boolean values are never cast; every
+  output (and every NNX Variable written) comes back as from
+  ``jax.jit(fun)``: constants of any dtype, Python numbers (arrays, weakly
+  typed), ``None`` and inputs returned as they are included. Its
   ``compute_dtype`` attribute is the half dtype it computes in. It
   rewrites ``fun``'s jaxpr, recursing into ``jit``, ``checkpoint``,
   ``scan``, ``while_loop`` and ``cond``; a ``custom_jvp``/``custom_vjp``
