@@ -57,7 +57,9 @@ RECIPES = ["float8", "mxfp8", "nvfp4"]
 @pytest.mark.parametrize("spelling", WEIGHT_SPELLINGS)
 def test_a_weight_matmul_gets_the_recipe_however_written(spelling, recipe):
   f = WEIGHT_SPELLINGS[spelling]
-  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=recipe)
+  # A lone layer is the function's output layer, which NVFP4 keeps by default.
+  matmul = ols.NVFP4Matmul(keep=()) if recipe == "nvfp4" else recipe
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=matmul)
   (found,) = ols.list_matmuls(fast, X)
   assert (found.kind, found.precision) == ("weight", recipe)
   assert found.lhs_shape == X.shape
@@ -133,9 +135,12 @@ def test_flax_attention_layers_are_recognised():
     lambda p, x: layer.apply(p, x), compute_dtype=jnp.bfloat16, matmul="nvfp4"
   )
   found = ols.list_matmuls(fast, params, X)
-  assert [(m.kind, m.precision) for m in found] == [("weight", "nvfp4")] * 3 + [
-    ("attention", "bfloat16")
-  ] * 2 + [("weight", "nvfp4")]
+  # The output projection is the function's output layer: NVFP4 keeps it.
+  assert [(m.kind, m.precision, m.kept) for m in found] == [
+    ("weight", "nvfp4", None)
+  ] * 3 + [("attention", "bfloat16", "attention")] * 2 + [
+    ("weight", "bfloat16", "output")
+  ]
   assert [m.path.rsplit("/", 1)[-1] for m in found[:3]] == ["query", "key", "value"]
   module = nnx.MultiHeadAttention(2, D, qkv_features=D, decode=False, rngs=nnx.Rngs(0))
   found = ols.list_matmuls(

@@ -258,7 +258,10 @@ def test_a_non_finite_input_reaches_the_gradients_and_the_step_is_skipped(matmul
   jax.tree.map(np.testing.assert_array_equal, new, params)
 
 
-@pytest.mark.parametrize("matmul", ["mxfp8", "nvfp4"])
+# The loop's matmul is the function's output layer, which NVFP4 keeps by default.
+@pytest.mark.parametrize(
+  "matmul", ["mxfp8", pytest.param(ols.NVFP4Matmul(keep=()), id="nvfp4")]
+)
 def test_scan_and_remat_quantise_each_step(matmul):
   # remat recomputes the same quantised forward: equal bits; scan runs the
   # recipe in its body (its low-precision values are there), and follows
@@ -347,10 +350,14 @@ def test_layers_are_excluded_by_module_path():
   jax.grad(f)(params)
   assert any(p.endswith("Net/body") for p in seen), seen
   assert any(p.endswith("Net/head") for p in seen), seen
-  # the default NVFP4 recipe keeps the output layer
+  # the default NVFP4 recipe keeps the output layer and embeddings by
+  # structure (`keep`), whatever their names
   nv = ols.NVFP4Matmul()
-  assert _block_matmul.excluded(nv, "Transformer/head")
-  assert not _block_matmul.excluded(nv, "Transformer/block_0/Dense_0")
+  assert nv.keep == ("output", "embedding") and nv.exclude == ()
+  assert not _block_matmul.excluded(nv, "Transformer/head")
+  assert _block_matmul.kept(nv, "-", {"output"}) == "output"
+  assert _block_matmul.kept(nv, "", {"embedding"}) == "embedding"
+  assert _block_matmul.kept(ols.NVFP4Matmul(keep=()), "", {"output"}) is None
   # an einsum is a weight's matmul like any other (attention's are kept by
   # structure, the recipe's `attention`, not by name)
   assert not _block_matmul.excluded(nv, "Transformer/block_0/btd,df->btf")
@@ -419,14 +426,15 @@ def test_a_non_finite_entry_poisons_its_block_or_nvfp4s_tensor():
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((4, 64)), jnp.float32).at[0, 0].set(jnp.inf)
   w = jnp.asarray(rng.standard_normal((64, 8)), jnp.float32)
-  for matmul in ("mxfp8", "nvfp4"):
+  # (A lone matmul is the function's output layer: NVFP4 without `keep`.)
+  for matmul in (ols.MXFP8Matmul(), ols.NVFP4Matmul(keep=())):
     y = ols.autocast(lambda x, w: x @ w, compute_dtype=jnp.bfloat16, matmul=matmul)(
       x, w
     )
     y = np.asarray(y, np.float32)
     assert np.isnan(y[0]).all(), matmul
-    assert np.isnan(y[1:]).all() == (matmul == "nvfp4"), matmul
-    if matmul == "mxfp8":
+    assert np.isnan(y[1:]).all() == (matmul.fmt == "nvfp4"), matmul
+    if matmul.fmt == "mxfp8":
       assert np.isfinite(y[1:]).all()
 
 

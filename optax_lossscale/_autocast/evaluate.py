@@ -80,11 +80,18 @@ class Walk:
       (a sub-jaxpr's are relative).
     record: where a listing collects the matmuls' decisions, keyed by their
       scope's equations; ``None`` outside a listing.
+    roles: each matmul's kind and structural role in the whole function
+      (:func:`~optax_lossscale._autocast.roles.find`), keyed likewise.
   """
 
   rules: Rules
   scope: tuple[tuple[str, int], ...] = ()
   record: dict | None = None
+  roles: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def key(self) -> tuple:
+    return tuple(i for _, i in self.scope)
 
   def inside(self, eqn) -> Walk:
     """This walk inside ``eqn``."""
@@ -211,10 +218,10 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   to the half dtype. Otherwise the result is half, or float32 where every
   reader reads float32 (attention's logits before the softmax). A recipe
   (``matmul=``) runs every ``dot_general`` of 16- or 32-bit real operands
-  it does not exclude, its result in the dtype just chosen: excluded by
-  module path, or (where the recipe's ``attention`` is off) by being
-  attention's: a product with batch dimensions of two values the function
-  computed.
+  it does not keep, its result in the dtype just chosen: kept by structural
+  role or module path (:func:`_block_matmul.kept`), or (where the recipe's
+  ``attention`` is off) by being attention's
+  (:mod:`~optax_lossscale._autocast.roles`).
   """
   half = walk.rules.half
   original = [jnp.dtype(v.aval.dtype) for v in eqn.invars]
@@ -246,10 +253,9 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
     return _jaxpr.bind(eqn, invals, params)
   out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
   dims = eqn.params["dimension_numbers"]
-  attention = _is_attention(eqn, flags)
-  recipe = _recipe(walk.rules.float8, walk.module_path, attention)
+  recipe, why = _recipe(walk.rules.float8, walk, _kind(eqn, flags, walk))
   recipe = recipe if min(sizes) >= 2 else None
-  _note(eqn, flags, recipe, precision, out_dtype, walk)
+  _note(eqn, flags, recipe, precision, out_dtype, walk, why)
   sharding = eqn.params.get("out_sharding")
   if recipe is None:
     return _jaxpr.bind(eqn, invals, params)
@@ -264,21 +270,31 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   return [out]
 
 
-def _recipe(recipe, path: str, attention: bool):
-  """The recipe a matmul runs in (``None``: the dtypes just chosen)."""
-  if recipe is None or (attention and not recipe.attention):
-    return None
-  if _block_matmul.excluded(recipe, path):
-    return None
-  return recipe
+def _recipe(recipe, walk: Walk, kind: str):
+  """``(the recipe a matmul runs in, why not)``: ``(None, reason)`` keeps it
+  in the dtypes just chosen, the reason :func:`_block_matmul.kept`'s or
+  ``"attention"``; ``(None, None)`` without a recipe."""
+  if recipe is None:
+    return None, None
+  if kind == "attention" and not recipe.attention:
+    return None, "attention"
+  found = walk.roles.get(walk.key)
+  why = _block_matmul.kept(recipe, walk.module_path, found.roles if found else ())
+  return (None, why) if why is not None else (recipe, None)
 
 
-def _is_attention(eqn, flags: list[bool]) -> bool:
-  """A batched product of two values the function computed (not inputs)."""
-  return bool(eqn.params["dimension_numbers"][1][0]) and not any(flags)
+def _kind(eqn, flags: list[bool], walk: Walk) -> str:
+  """``"attention"`` or ``"weight"``, by the function's structure
+  (:mod:`~optax_lossscale._autocast.roles`); without it, a batched product
+  of two values the function computed (not inputs) is attention's."""
+  found = walk.roles.get(walk.key)
+  if found is not None:
+    return found.kind
+  batched = bool(eqn.params["dimension_numbers"][1][0])
+  return "attention" if batched and not any(flags) else "weight"
 
 
-def _note(eqn, flags, recipe, precision: str, out_dtype, walk: Walk) -> None:
+def _note(eqn, flags, recipe, precision: str, out_dtype, walk: Walk, why=None) -> None:
   """A listing's record of this matmul (once per equation, however often
   its body is traced)."""
   found = walk.record
@@ -288,12 +304,13 @@ def _note(eqn, flags, recipe, precision: str, out_dtype, walk: Walk) -> None:
     tuple(i for _, i in walk.scope),
     {
       "path": walk.module_path,
-      "kind": "attention" if _is_attention(eqn, flags) else "weight",
+      "kind": _kind(eqn, flags, walk),
       "lhs_shape": tuple(eqn.invars[0].aval.shape),
       "rhs_shape": tuple(eqn.invars[1].aval.shape),
       "out_shape": tuple(eqn.outvars[0].aval.shape),
       "precision": precision if recipe is None else recipe.fmt,
       "out_dtype": jnp.dtype(out_dtype).name,
+      "kept": why,
     },
   )
 

@@ -24,6 +24,7 @@ class Matmul(NamedTuple):
   out_shape: tuple
   precision: str
   out_dtype: str
+  kept: str | None = None
 
 
 #: The rules of a function that is not an autocast one: every primitive as
@@ -49,12 +50,19 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
   Returns:
     A list of ``Matmul`` named tuples: ``path``, the module path
     (the jaxpr's name stack, e.g. ``"Transformer/block_0/Dense_1"``, which a
-    recipe's ``exclude`` matches); ``kind``, ``"attention"`` for a batched
-    product of two values the function computed, else ``"weight"``;
+    recipe's ``exclude`` matches; empty where the model gives none, as Flax
+    NNX, Equinox and plain JAX); ``kind``, ``"attention"`` for a batched
+    product of two values the function computed from matmuls or from a
+    common input, else ``"weight"``;
     ``lhs_shape``, ``rhs_shape`` and ``out_shape``; ``precision``, the
     recipe (``"float8"``, ``"mxfp8"``, ``"nvfp4"``) or the dtype of the
     operands it multiplies (``"bfloat16"``, ``"float32"``...); and
-    ``out_dtype``, its result's dtype.
+    ``out_dtype``, its result's dtype; ``kept``, why the recipe left it in
+    the compute dtype (``"output"``: the output layer, ``"embedding"``: a
+    matmul with a table the function gathers from, both found by structure,
+    the recipe's ``keep``; ``"exclude <pattern>"`` or ``"exclude"``: the
+    recipe's ``exclude``; ``"attention"``: the recipe's ``attention`` is
+    off), ``None`` if it runs in the recipe or there is none.
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
@@ -74,10 +82,10 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
 
 def format_matmuls(matmuls: list[Matmul]) -> str:
   """:func:`list_matmuls`' answer as a table, one line per matmul."""
-  rows = [("path", "kind", "lhs x rhs -> out", "precision", "result")]
+  rows = [("path", "kind", "lhs x rhs -> out", "precision", "result", "kept")]
   for m in matmuls:
     shapes = f"{m.lhs_shape} x {m.rhs_shape} -> {m.out_shape}"
-    rows.append((m.path or "-", m.kind, shapes, m.precision, m.out_dtype))
+    rows.append((m.path or "-", m.kind, shapes, m.precision, m.out_dtype, m.kept or ""))
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   return "\n".join(
     "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows

@@ -24,7 +24,9 @@ overflow.
 from __future__ import annotations
 
 import functools
+import re
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +35,7 @@ import numpy as np
 
 from optax_lossscale._autocast import evaluate as _autocast_eval
 from optax_lossscale._autocast import nnx_state as _autocast_state
+from optax_lossscale._autocast import roles as _autocast_roles
 from optax_lossscale._autocast.evaluate import cast
 from optax_lossscale._autocast.lists import (
   ALLOW_LIST,
@@ -121,12 +124,15 @@ def autocast(
   differentiated in reverse mode (``grad``, ``vjp``), not forward mode
   (``jvp``). With ``matmul="mxfp8"`` or ``"nvfp4"`` (or an
   :class:`MXFP8Matmul`/:class:`NVFP4Matmul`) every such matmul that the
-  recipe does not exclude (by module path) runs block-scaled, each of its
-  three GEMMs quantising its operands along its own contraction. A recipe
-  applies to a weight's matmul however it is written (``@``, ``einsum``,
-  ``dot_general``, Flax layers); attention's (a batched product of two
-  values ``fun`` computed) only where the recipe's ``attention`` is on.
-  :func:`list_matmuls` says which matmul runs in what.
+  recipe does not keep (by structure, its ``keep``: the output layer, an
+  embedding's; or by module path, its ``exclude``) runs block-scaled, each
+  of its three GEMMs quantising its operands along its own contraction. A
+  recipe applies to a weight's matmul however it is written (``@``,
+  ``einsum``, ``dot_general``, Flax layers, a ``vmap`` over transformed
+  expert weights); attention's (a batched product of two values ``fun``
+  computed from matmuls or from a common input) only where the recipe's
+  ``attention`` is on. :func:`list_matmuls` says which matmul runs in what,
+  and why one was kept.
 
   Args:
     fun: the function, written for float32.
@@ -211,6 +217,25 @@ def _call(fun, rules: Rules, cached, args, kwargs):
   return out
 
 
+def _warn_unmatched(fun, recipe, roles: dict) -> None:
+  """A warning for each ``exclude`` pattern that matches no matmul of ``fun``."""
+  exclude = getattr(recipe, "exclude", ())
+  if callable(exclude) or not exclude or not roles:
+    return
+  paths = sorted({m.path for m in roles.values()})
+  for p in exclude:
+    if not any(re.search(p, path) for path in paths):
+      warnings.warn(
+        f"autocast({getattr(fun, '__name__', fun)!r}): the {recipe.fmt} recipe's "
+        f"exclude pattern {p!r} matches none of its matmuls, which run in the "
+        f"recipe; their module paths are {paths} (Flax NNX, Equinox and plain JAX "
+        "name none). Keep the output layer and embeddings by structure with "
+        "keep=('output', 'embedding'), and check with ols.list_matmuls.",
+        UserWarning,
+        stacklevel=4,
+      )
+
+
 def rewritten(fun, rules: Rules, spec, *arrays, record: dict | None = None):
   """``fun`` on the array leaves, its jaxpr evaluated by the rules.
 
@@ -233,7 +258,9 @@ def rewritten(fun, rules: Rules, spec, *arrays, record: dict | None = None):
     return out, state_after, _autocast_state.Static(graphdef_after)
 
   closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
-  walk = _autocast_eval.Walk(rules, record=record)
+  roles = _autocast_roles.find(closed.jaxpr)
+  _warn_unmatched(fun, rules.float8, roles)
+  walk = _autocast_eval.Walk(rules, record=record, roles=roles)
   outs = _autocast_eval.evaluate(closed.jaxpr, closed.consts, arrays, walk)
   outs = [
     cast(x, s.dtype) if is_float(x.dtype) and is_float(s.dtype) else x

@@ -42,14 +42,29 @@ from optax_lossscale._base import tree as _tree
 from optax_lossscale._lowbit import block_gemm as _block_gemm
 from optax_lossscale._lowbit import block_scaled as _block_scaled
 
-__all__ = ["MXFP8Matmul", "NVFP4Matmul", "dot_general", "excluded"]
+__all__ = ["MXFP8Matmul", "NVFP4Matmul", "dot_general", "excluded", "kept"]
 
 _F32 = jnp.dtype(jnp.float32)
 
+#: The structural roles a recipe's ``keep`` can name: the output layer (a
+#: weight's matmul whose result reaches the function's outputs with no other
+#: matmul in between) and an embedding's (a weight's matmul with a
+#: table the function also gathers rows from: a tied output layer).
+ROLES = ("output", "embedding")
 #: NVFP4's layers kept in the compute dtype by default: the output layer and
-#: embeddings (as Flax names them). Attention's matmuls are kept by
-#: structure (``attention=False``), however they are written.
-NVFP4_EXCLUDE = (r"(^|/)(head|lm_head|output|logits|[Ee]mbed\w*)$",)
+#: the embeddings, found by structure (Linen, NNX, Equinox, plain JAX alike).
+#: Attention's matmuls are kept by structure too (``attention=False``).
+NVFP4_KEEP = ROLES
+
+
+def _check_keep(recipe: Any) -> None:
+  keep = recipe.keep
+  if isinstance(keep, str) or not isinstance(keep, (tuple, list)):
+    raise ValueError(f"`keep` must be a tuple of roles from {ROLES}, got {keep!r}.")
+  unknown = [k for k in keep if k not in ROLES]
+  if unknown:
+    raise ValueError(f"`keep`: {unknown!r} are not roles; the roles are {ROLES}.")
+  object.__setattr__(recipe, "keep", tuple(keep))
 
 
 def _check_exclude(exclude: Any) -> Any:
@@ -90,7 +105,16 @@ class MXFP8Matmul:
   Attributes:
     exclude: matmuls kept in the compute dtype: regular expressions
       searched in the matmul's module path (``"Transformer/block_0/Dense_1"``,
-      from the jaxpr's name stack), or a callable taking that path.
+      from the jaxpr's name stack), or a callable taking that path. Module
+      paths are Linen's: Flax NNX, Equinox and plain JAX have none (use
+      ``keep``). A pattern that matches no matmul of the function is a
+      warning when the function is traced.
+    keep: structural roles kept in the compute dtype, found in the jaxpr
+      however the model is written: ``"output"``, the output layer (a
+      weight's matmul whose result reaches the function's outputs with no
+      other matmul in between), and ``"embedding"``, a weight's
+      matmul with a table the function also gathers rows from (a tied output
+      layer, ``Embed.attend``). None by default.
     native: ``None``: a GEMM runs on the backend's block-scaled kernel
       (:func:`jax.nn.scaled_matmul` on a Blackwell GPU) once a probe of its
       shapes, run when first traced, gives the emulation's numbers, and is
@@ -106,11 +130,13 @@ class MXFP8Matmul:
   exclude: Any = ()
   native: bool | None = None
   attention: bool = True
+  keep: tuple = ()
   fmt: ClassVar[str] = "mxfp8"
 
   def __post_init__(self):
     _check_native(self)
     _check_bool(self, "attention")
+    _check_keep(self)
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
@@ -132,9 +158,11 @@ class NVFP4Matmul:
       forward pass and the input gradient use the same quantised weight.
     seed: an integer; the random numbers are drawn from ``key(seed)``
       folded with a hash of each output gradient.
-    exclude: matmuls kept in the compute dtype, as :class:`MXFP8Matmul`'s;
-      by default the output layer and embeddings (:data:`NVFP4_EXCLUDE`),
-      as the NVFP4 recipe keeps them.
+    exclude: matmuls kept in the compute dtype by module path, as
+      :class:`MXFP8Matmul`'s; none by default.
+    keep: structural roles kept in the compute dtype, as
+      :class:`MXFP8Matmul`'s; by default the output layer and the embeddings
+      (``("output", "embedding")``), as the NVFP4 recipe keeps them.
     native: as :class:`MXFP8Matmul`'s. The two scales per tensor multiply
       the GEMM's float32 result, as a native kernel's epilogue does.
     attention: as :class:`MXFP8Matmul`'s; off by default: the NVFP4 recipe
@@ -145,9 +173,10 @@ class NVFP4Matmul:
   stochastic_rounding: bool = True
   weight_2d: bool = True
   seed: int = 0
-  exclude: Any = NVFP4_EXCLUDE
+  exclude: Any = ()
   native: bool | None = None
   attention: bool = False
+  keep: tuple = NVFP4_KEEP
   fmt: ClassVar[str] = "nvfp4"
 
   def __post_init__(self):
@@ -156,6 +185,7 @@ class NVFP4Matmul:
       _check_bool(self, f)
     if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
       raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
+    _check_keep(self)
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
@@ -168,10 +198,20 @@ def _check_bool(recipe: Any, field: str) -> None:
 
 def excluded(recipe: Any, path: str) -> bool:
   """Whether ``recipe`` keeps the matmul at module path ``path`` as it is."""
+  return kept(recipe, path) is not None
+
+
+def kept(recipe: Any, path: str, roles=()) -> str | None:
+  """Why ``recipe`` keeps the matmul at module path ``path`` (structural
+  ``roles``) in the compute dtype: ``"output"``, ``"embedding"``,
+  ``"exclude <pattern>"``, ``"exclude"`` (a callable's); ``None`` if not."""
+  role = next((r for r in getattr(recipe, "keep", ()) if r in roles), None)
+  if role is not None:
+    return role
   exclude = getattr(recipe, "exclude", ())
   if callable(exclude):
-    return bool(exclude(path))
-  return any(re.search(p, path) for p in exclude)
+    return "exclude" if exclude(path) else None
+  return next((f"exclude {p}" for p in exclude if re.search(p, path)), None)
 
 
 def _hadamard16(seed: int = 0x5EED) -> np.ndarray:
