@@ -42,21 +42,29 @@ _LOOKUPS = frozenset({"gather", "dynamic_slice"})
 @dataclasses.dataclass(frozen=True)
 class _Info:
   """What a value derives from: the function's inputs it depends on
-  (``sources``), whether a matmul computed it (``matmul``), and the inputs
-  it holds moved only (``moved``, ``None`` if it was computed)."""
+  (``sources``, a bit per input), whether a matmul computed it
+  (``matmul``), the inputs it holds moved only (``moved``, likewise;
+  ``None`` if it was computed), and whether those are rows an embedding
+  lookup read (``rows``), not the table itself."""
 
-  sources: frozenset = frozenset()
+  sources: int = 0
   matmul: bool = False
-  moved: frozenset | None = None
+  moved: int | None = None
+  rows: bool = False
 
   def __or__(self, other: _Info) -> _Info:
     moved = None
     if self.moved is not None and other.moved is not None:
       moved = self.moved | other.moved
-    return _Info(self.sources | other.sources, self.matmul or other.matmul, moved)
+    return _Info(
+      self.sources | other.sources,
+      self.matmul or other.matmul,
+      moved,
+      self.rows or other.rows,
+    )
 
 
-_CONSTANT = _Info(moved=frozenset())
+_CONSTANT = _Info(moved=0)
 
 
 @dataclasses.dataclass
@@ -73,16 +81,14 @@ def find(jaxpr: Jaxpr) -> dict[tuple, Matmul]:
   """Each ``dot_general`` of the function ``jaxpr`` (its invars and constvars
   the function's inputs) with its kind and role, keyed by equation ids."""
   found: dict[tuple, Matmul] = {}
-  looked_up: set = set()
+  looked_up: list[int] = [0]  # the inputs an embedding lookup reads
   inputs = [*jaxpr.constvars, *jaxpr.invars]
-  infos = {
-    v: _Info(frozenset({i}), False, frozenset({i})) for i, v in enumerate(inputs)
-  }
+  infos = {v: _Info(1 << i, False, 1 << i) for i, v in enumerate(inputs)}
   _forward(jaxpr, infos, (), "", found, looked_up)
   _backward(jaxpr, [True] * len(jaxpr.outvars), (), found)
   for m in found.values():
-    moved = [o.moved for o in m.operands if o.moved is not None]
-    if m.kind == "weight" and any(s & looked_up for s in moved):
+    tables = [o.moved for o in m.operands if o.moved is not None and not o.rows]
+    if m.kind == "weight" and any(s & looked_up[0] for s in tables):
       m.roles.add("embedding")
   return found
 
@@ -116,9 +122,11 @@ def _forward(jaxpr, ins, prefix, path, found, looked_up) -> list[_Info]:
       found[key] = Matmul(_kind(eqn, invals), here, tuple(invals))
       outs = [_Info(_union(invals).sources, True, None)]
     else:
+      out = _computed(eqn, invals)
       if name in _LOOKUPS and invals and invals[0].moved is not None:
-        looked_up.update(invals[0].moved)
-      outs = [_computed(eqn, invals)] * len(eqn.outvars)
+        looked_up[0] |= invals[0].moved
+        out = dataclasses.replace(out, rows=True)
+      outs = [out] * len(eqn.outvars)
     for v, o in zip(eqn.outvars, outs, strict=True):
       env[v] = o
   return [read(v) for v in jaxpr.outvars]
@@ -132,15 +140,17 @@ def _union(infos) -> _Info:
 
 
 def _computed(eqn, invals) -> _Info:
-  """An equation's result: moved if it only moves its floating operands."""
+  """An equation's result: moved if it only moves its floating operands
+  (an index it reads, a slice's start, does not make it computed)."""
   info = _union(invals)
   floats = [
     i for v, i in zip(eqn.invars, invals, strict=True) if is_float(v.aval.dtype)
   ]
-  moved = (
+  if (
     eqn.primitive.name in MOVES and floats and all(i.moved is not None for i in floats)
-  )
-  return info if moved else dataclasses.replace(info, moved=None)
+  ):
+    return dataclasses.replace(info, moved=_union(floats).moved)
+  return dataclasses.replace(info, moved=None)
 
 
 def _loop(eqn, invals, key, path, found, looked_up) -> list[_Info]:
