@@ -260,8 +260,9 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   if recipe is None:
     return _jaxpr.bind(eqn, invals, params)
   if isinstance(recipe, _float8.Float8Matmul):
-    # Both operands as they come (float32 parameters are quantised from
-    # float32, not from their half rounding).
+    # Both operands as cast above: a float32 operand is quantised from its
+    # copy in the compute dtype (float32 -> half -> float8), its scale from
+    # that copy's amax.
     out = _float8.dot_general(*invals, dims, out_dtype, recipe, out_sharding=sharding)
   else:
     out = _block_matmul.dot_general(
