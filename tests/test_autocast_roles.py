@@ -283,3 +283,48 @@ def test_an_exclude_pattern_that_matches_is_kept_by_name():
 def test_keep_is_checked(recipe, keep, message):
   with pytest.raises(ValueError, match=message):
     recipe(keep=keep)
+
+
+# --- the roles at any depth -------------------------------------------------------
+
+WS = jnp.stack([_table(8 + i, (D, D), D**-0.5) for i in range(3)])
+HEAD = _table(11, (D, V), D**-0.5)
+H = _table(12, (N, D))
+
+
+def _scanned_stack(ws, head, h):
+  h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), h, ws)
+  return jnp.sum(jax.nn.log_softmax(h @ head))
+
+
+def _head_in_jit(ws, head, h):
+  h = jnp.tanh(h @ ws[0])
+  return jax.jit(lambda h: jnp.sum(jax.checkpoint(lambda h: h @ head)(h) ** 2))(h)
+
+
+def _head_in_cond(ws, head, h):
+  h = jnp.tanh(h @ ws[0])
+  return jax.lax.cond(h[0, 0] > 0, lambda h: h @ head, lambda h: -(h @ head), h)
+
+
+def _head_in_a_loop(ws, head, h):  # the last step's product reaches the output
+  return jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ ws[i]), h)
+
+
+DEPTHS = {
+  "scanned layers, then the head": (_scanned_stack, [None, "output"]),
+  "the head inside jit and checkpoint": (_head_in_jit, [None, "output"]),
+  "the head inside cond": (_head_in_cond, [None, "output", "output"]),
+  "the loop's product is the output": (_head_in_a_loop, ["output"]),
+}
+
+
+@pytest.mark.parametrize("name", DEPTHS)
+def test_the_output_layer_is_found_at_any_depth(name):
+  f, kept = DEPTHS[name]
+  fast = ols.autocast(f, compute_dtype=BF16, matmul="nvfp4")
+  found = ols.list_matmuls(fast, WS, HEAD, H)
+  assert [m.kept for m in found] == kept, ols.format_matmuls(found)
+  assert [m.precision for m in found] == [
+    "nvfp4" if k is None else "bfloat16" for k in kept
+  ]
