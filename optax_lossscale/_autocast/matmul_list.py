@@ -66,11 +66,12 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
-    >>> f = lambda w, x: jnp.einsum("btd,df->btf", x, w).sum()
+    >>> def f(w1, w2, x):  # a hidden layer, then the output layer
+    ...   return (jnp.tanh(x @ w1) @ w2).sum()
     >>> g = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="nvfp4")
-    >>> [(m.kind, m.precision) for m in ols.list_matmuls(g, jnp.ones((4, 8)),
-    ...                                                  jnp.ones((2, 3, 4)))]
-    [('weight', 'nvfp4')]
+    >>> w1, w2, x = jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.ones((2, 8))
+    >>> [(m.precision, m.kept) for m in ols.list_matmuls(g, w1, w2, x)]
+    [('nvfp4', None), ('bfloat16', 'output')]
   """
   inner, rules = getattr(fun, "_autocast", (fun, _AS_WRITTEN))
   _, spec, arrays = _autocast.prepare(inner, args, kwargs)
