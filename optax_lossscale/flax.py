@@ -23,11 +23,20 @@ new values: give ``LossScaleTrainState.create`` the whole variables dict; in
 NNX (Linen float8 layers through ``nnx.bridge.ToNNX``) add
 :func:`is_overwrite_variable` to the optimizer's ``wrt`` and update with
 :func:`nnx_update`.
+
+The loss-scaled optimizer divides what it is given by the scale: gradients
+of the unscaled loss (``nnx.value_and_grad``) make steps the scale times
+too small, and nothing in their values says so. :func:`nnx_update` warns
+when its gradients are not those :func:`nnx_value_and_grad` returned (it
+knows them by identity, when tracing: no host sync); ``optimizer.update``
+is Flax's own and cannot tell.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -237,6 +246,27 @@ def _kept_on_skip(state: Any, skipped: jax.Array, fields: dict[str, Any]) -> dic
   return kept
 
 
+# The gradient arrays (or tracers) that nnx_value_and_grad returned for a
+# loss scale, by id, held weakly: an entry goes when its array does, and the
+# ``is`` check in _came_scaled ignores an id that a new object reuses.
+_SCALED_LEAVES: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def _mark_scaled(grads: Any) -> Any:
+  """``grads``, its leaves noted as gradients of the scaled loss."""
+  for leaf in jax.tree.leaves(grads):
+    try:
+      _SCALED_LEAVES[id(leaf)] = leaf
+    except TypeError:  # not weakly referable: left unmarked
+      pass
+  return grads
+
+
+def _came_scaled(grads: Any) -> bool:
+  """Whether a leaf of ``grads`` is one that :func:`_mark_scaled` noted."""
+  return any(_SCALED_LEAVES.get(id(leaf)) is leaf for leaf in jax.tree.leaves(grads))
+
+
 def nnx_value_and_grad(
   fun: Callable[..., Any],
   *,
@@ -259,7 +289,12 @@ def nnx_value_and_grad(
     ``optimizer`` is the ``nnx.Optimizer`` whose ``tx`` holds the loss scale
     (one whose ``tx`` holds none gives ``nnx.value_and_grad``'s unscaled
     gradients, so that float32 runs use the same code); pass the grads to
-    ``optimizer.update(model, grads)``, or to :func:`nnx_update`.
+    :func:`nnx_update` (or ``optimizer.update(model, grads)``). The
+    gradient arrays of a loss-scaled optimizer are noted, by identity, as
+    gradients of the scaled loss: :func:`nnx_update` checks that it gets
+    them. Arrays made from them (``jax.tree.map`` over the gradients) and
+    the outputs of an ``nnx.jit`` that returns them are new arrays, not
+    noted: pass ``assume_scaled=True`` to :func:`nnx_update` for those.
   """
 
   def wrapper(optimizer, *args, **kwargs):
@@ -274,7 +309,7 @@ def nnx_value_and_grad(
     (_, out), grads = nnx.value_and_grad(scaled, argnums=diff, has_aux=True)(
       *args, **kwargs
     )
-    return out, grads
+    return out, _mark_scaled(grads)
 
   return wrapper
 
@@ -298,9 +333,21 @@ def nnx_update(
   /,
   *,
   before: nnx.State | None = None,
+  assume_scaled: bool = False,
   **kwargs,
 ):
   """``optimizer.update(model, grads)``; on a skipped step, ``before`` written back.
+
+  ``grads`` are the gradients of the *scaled* loss, which the loss scale
+  divides by the scale. Gradients of the unscaled loss (``nnx.value_and_grad``,
+  ``nnx.grad``) would make a step the scale times too small (1/32768 of its
+  size at the default scale), silently: their values cannot tell. So, when
+  the optimizer holds a loss scale, gradients that :func:`nnx_value_and_grad`
+  did not return are used as given with a ``UserWarning``, at trace time
+  (their identity is checked, not their values: nothing is synced under
+  ``jax.jit``). Gradients of the scaled loss made otherwise (transformed
+  after :func:`nnx_value_and_grad`, or returned by another ``nnx.jit``)
+  go in with ``assume_scaled=True``, which silences it.
 
   A skipped step changes nothing: the loss scale keeps the parameters and
   the optimizer's state, and ``before``, the values of model variables
@@ -327,6 +374,8 @@ def nnx_update(
     before: an ``nnx.State`` of values of ``model``'s variables taken before
       the step (``nnx.as_pure(nnx.state(model, nnx.BatchStat))``), or
       ``None``.
+    assume_scaled: take ``grads`` as gradients of the scaled loss without
+      checking that :func:`nnx_value_and_grad` returned them.
     **kwargs: more arguments of ``optimizer.update`` (``value=``).
 
   Returns:
@@ -335,8 +384,15 @@ def nnx_update(
   Raises:
     ValueError: a path of ``before`` is not a variable of ``model``, or
       ``before`` holds the model's own variables rather than their values
-      (they have been written by the step: nothing would be kept).
+      (they have been written by the step: nothing would be kept); or
+      ``grads`` are gradients of a scaled loss from :func:`nnx_value_and_grad`
+      and the optimizer holds no loss scale (nothing would divide them).
+
+  Warns:
+    UserWarning: the optimizer holds a loss scale and ``grads`` are not
+      those :func:`nnx_value_and_grad` returned (unless ``assume_scaled``).
   """
+  _check_scaled(optimizer, grads, assume_scaled)
   updates = optimizer.update(model, grads, **kwargs)
   if _overwrite.find_overwrite_state(optimizer) is not None:
     graph = {"graph": optimizer.graph} if hasattr(optimizer, "graph") else {}
@@ -365,3 +421,33 @@ def nnx_update(
     ]
     nnx.update(model, nnx.from_flat_state(kept))
   return updates
+
+
+def _check_scaled(optimizer: Any, grads: Any, assume_scaled: bool) -> None:
+  """:func:`nnx_update`'s check that ``grads`` are of the loss ``optimizer`` scales."""
+  scaled_optimizer = _loss_scaled(_opt_state.optimizer_state(optimizer))
+  came_scaled = _came_scaled(grads)
+  if came_scaled and not scaled_optimizer:
+    raise ValueError(
+      "nnx_update() got the gradients of a scaled loss from nnx_value_and_grad(), "
+      "for an optimizer that holds no loss scale: nothing would divide them, and "
+      "the step would be the scale times too large. Compute them with this "
+      "optimizer: nnx_value_and_grad(fun)(optimizer, model, ...)."
+    )
+  if (
+    scaled_optimizer
+    and not came_scaled
+    and not assume_scaled
+    and jax.tree.leaves(grads)
+  ):
+    warnings.warn(
+      "nnx_update() got gradients that nnx_value_and_grad() did not return, for an "
+      "optimizer that holds a loss scale, which divides them by the scale. If they "
+      "are gradients of the unscaled loss (nnx.value_and_grad, nnx.grad), the step "
+      "is the scale times too small (1/32768 at the default scale): write "
+      "loss, grads = nnx_value_and_grad(fun)(optimizer, model, ...). Gradients of "
+      "the scaled loss made otherwise (transformed after nnx_value_and_grad, or "
+      "returned by another nnx.jit): pass assume_scaled=True.",
+      UserWarning,
+      stacklevel=3,
+    )

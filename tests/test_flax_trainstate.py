@@ -7,6 +7,7 @@ counts it. ``nnx_update(before=...)`` does the same for NNX BatchNorm
 statistics, and ``nnx_value_and_grad`` works without a loss scale.
 """
 
+import warnings
 from typing import Any
 
 import jax
@@ -235,3 +236,144 @@ def test_nnx_value_and_grad_without_a_loss_scale_is_nnx_value_and_grad():
   _equal(grads, ref)
   nnx_update(optimizer, model, grads, before=_stats(twin))  # nothing to skip
   _equal(_stats(model), _stats(twin))
+
+
+# --- NNX: gradients of the scaled loss, or not ---------------------------------
+#
+# A loss-scaled optimizer divides its gradients by the scale, so gradients of
+# the unscaled loss make a step the scale times too small. nnx_update knows
+# the gradients nnx_value_and_grad returned and warns about others;
+# optimizer.update (Flax's) cannot tell. Each case's step is checked against
+# plain optax SGD on nnx.grad's gradients of the unscaled loss.
+
+_LR = 0.1
+
+
+def _linear_loss(model, x):
+  return jnp.mean((model(x) - Y) ** 2)
+
+
+def _vg_helper(optimizer, model):
+  return nnx_value_and_grad(_linear_loss)(optimizer, model, X)[1]
+
+
+def _vg_plain(optimizer, model):
+  del optimizer
+  return nnx.value_and_grad(_linear_loss)(model, X)[1]
+
+
+def _grad_of_scaled(optimizer, model):
+  scale = ols.get_scale(optimizer)
+  return nnx.grad(lambda m: _linear_loss(m, X) * scale)(model)
+
+
+def _vg_helper_mapped(optimizer, model):
+  return jax.tree.map(lambda g: g * 1.0, _vg_helper(optimizer, model))
+
+
+# name: (gradients, whether of the scaled loss, whether nnx_value_and_grad's own)
+_SOURCES = {
+  "nnx_value_and_grad": (_vg_helper, True, True),
+  "nnx.value_and_grad": (_vg_plain, False, False),
+  "nnx.grad(loss * scale)": (_grad_of_scaled, True, False),
+  "nnx_value_and_grad, tree-mapped": (_vg_helper_mapped, True, False),
+}
+
+_ENTRIES = {
+  "nnx_update": lambda opt, m, g: nnx_update(opt, m, g),
+  "nnx_update(assume_scaled=True)": lambda opt, m, g: nnx_update(
+    opt, m, g, assume_scaled=True
+  ),
+  "optimizer.update": lambda opt, m, g: opt.update(m, g),
+}
+
+
+def _params(model):
+  return nnx.as_pure(nnx.state(model, nnx.Param))
+
+
+def _plain_sgd_step(model, divide_by):
+  """The parameters after plain optax SGD on nnx.grad's gradients / ``divide_by``."""
+  params = _params(model)
+  grads = nnx.as_pure(nnx.grad(_linear_loss)(model, X))
+  grads = jax.tree.map(lambda g: g / divide_by, grads)
+  tx = optax.sgd(_LR)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+@pytest.mark.parametrize("entry", list(_ENTRIES))
+@pytest.mark.parametrize("source", list(_SOURCES))
+def test_gradients_of_the_unscaled_loss_are_warned_about_where_they_can_be(
+  source, entry, jit
+):
+  make_grads, of_scaled_loss, own = _SOURCES[source]
+  model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model, ols.dynamic_loss_scale(optax.sgd(_LR)), wrt=nnx.Param
+  )
+  scale = float(ols.get_scale(optimizer))
+  assert scale == 2.0**15
+  expected = _plain_sgd_step(model, 1.0 if of_scaled_loss else scale)
+  before = _params(model)
+
+  def step(model, optimizer):
+    _ENTRIES[entry](optimizer, model, make_grads(optimizer, model))
+
+  step = nnx.jit(step) if jit else step
+  warns = entry == "nnx_update" and not own
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    step(model, optimizer)
+  told = [w for w in caught if "nnx_value_and_grad() did not return" in str(w.message)]
+  assert len(told) == int(warns), [str(w.message) for w in caught]
+  assert len(caught) == len(told), [str(w.message) for w in caught]
+  assert int(ols.diagnostics(optimizer)["skipped_steps"]) == 0
+  _same_step(model, before, expected)
+
+
+def _same_step(model, before, expected):
+  """The step ``model`` took from ``before`` is the one to ``expected`` (non-zero)."""
+  got = jax.tree.map(jnp.subtract, _params(model), before)
+  want = jax.tree.map(jnp.subtract, expected, before)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert float(jnp.max(jnp.abs(w))) > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_gradients_from_another_nnx_jit_need_assume_scaled(jit):
+  model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model, ols.dynamic_loss_scale(optax.sgd(_LR)), wrt=nnx.Param
+  )
+  expected = _plain_sgd_step(model, 1.0)
+  grads = nnx.jit(_vg_helper)(optimizer, model)  # new arrays: not noted
+  update = nnx.jit(nnx_update, static_argnames="assume_scaled") if jit else nnx_update
+  with pytest.warns(UserWarning, match="assume_scaled=True"):
+    update(optimizer, model, grads)
+  model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model, ols.dynamic_loss_scale(optax.sgd(_LR)), wrt=nnx.Param
+  )
+  before = _params(model)
+  grads = nnx.jit(_vg_helper)(optimizer, model)
+  update(optimizer, model, grads, assume_scaled=True)  # no warning: an error here
+  _same_step(model, before, expected)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_scaled_gradients_for_an_optimizer_without_a_loss_scale_are_refused(jit):
+  model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+  scaled = nnx.Optimizer(model, ols.dynamic_loss_scale(optax.sgd(_LR)), wrt=nnx.Param)
+  plain = nnx.Optimizer(model, optax.sgd(_LR), wrt=nnx.Param)
+  before = _params(model)
+
+  def step(model, scaled, plain):
+    nnx_update(plain, model, _vg_helper(scaled, model))
+
+  step = nnx.jit(step) if jit else step
+  with pytest.raises(ValueError, match="holds no loss scale"):
+    step(model, scaled, plain)
+  _equal(_params(model), before)
