@@ -3,8 +3,9 @@
 An NNX MLP (float16 compute, float32 parameters) on scikit-learn's 8x8
 digits. ``nnx.Optimizer`` accepts any optax transformation, so loss scaling is
 one wrapper; ``optax_lossscale.flax.nnx_value_and_grad`` computes the
-gradients of the scaled loss, and the package's helpers read the scale and
-the counters from the optimizer itself.
+gradients of the scaled loss, ``nnx_update`` applies them (warning about
+gradients that are not of the scaled loss), and the package's helpers read
+the scale and the counters from the optimizer itself.
 
 Run:  python examples/flax_nnx.py [--steps N]
 """
@@ -19,7 +20,7 @@ from flax import nnx
 from train_digits import load_data
 
 import optax_lossscale as ols
-from optax_lossscale.flax import nnx_value_and_grad
+from optax_lossscale.flax import nnx_update, nnx_value_and_grad
 
 
 class MLP(nnx.Module):
@@ -48,7 +49,7 @@ def loss_fn(model, x, y):
 @nnx.jit
 def train_step(model, optimizer, x, y):
   loss, grads = nnx_value_and_grad(loss_fn)(optimizer, model, x, y)
-  optimizer.update(model, grads)  # unscale, check, skip or apply, adjust
+  nnx_update(optimizer, model, grads)  # unscale, check, skip or apply, adjust
   return loss, ols.diagnostics(optimizer)
 
 

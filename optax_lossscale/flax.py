@@ -25,8 +25,9 @@ NNX (Linen float8 layers through ``nnx.bridge.ToNNX``) add
 :func:`nnx_update`.
 
 The loss-scaled optimizer divides what it is given by the scale: gradients
-of the unscaled loss (``nnx.value_and_grad``) make steps the scale times
-too small, and nothing in their values says so. :func:`nnx_update` warns
+of the unscaled loss (``nnx.value_and_grad``) reach the inner optimizer
+the scale times too small (an SGD step 1/32768 of its size at the default
+scale), and nothing in their values says so. :func:`nnx_update` warns
 when its gradients are not those :func:`nnx_value_and_grad` returned (it
 knows them by identity, when tracing: no host sync); ``optimizer.update``
 is Flax's own and cannot tell.
@@ -340,8 +341,9 @@ def nnx_update(
 
   ``grads`` are the gradients of the *scaled* loss, which the loss scale
   divides by the scale. Gradients of the unscaled loss (``nnx.value_and_grad``,
-  ``nnx.grad``) would make a step the scale times too small (1/32768 of its
-  size at the default scale), silently: their values cannot tell. So, when
+  ``nnx.grad``) would reach the inner optimizer the scale times too small
+  (an SGD step 1/32768 of its size at the default scale), silently: their
+  values cannot tell. So, when
   the optimizer holds a loss scale, gradients that :func:`nnx_value_and_grad`
   did not return are used as given with a ``UserWarning``, at trace time
   (their identity is checked, not their values: nothing is synced under
@@ -355,9 +357,12 @@ def nnx_update(
   (``nnx.as_pure(nnx.state(model, nnx.BatchStat))``), are written back
   into ``model``, so that a non-finite forward pass leaves no NaN running
   statistics behind (Flax's ``DynamicScale`` loops keep them). After an
-  applied step the variables keep the values the forward pass wrote. Leave
-  ``Rngs`` streams out of ``before``: a retried step should draw new dropout
-  masks.
+  applied step the variables keep the values the forward pass wrote. An
+  ``Rngs`` stream (``nnx.Dropout``'s) left out of ``before`` keeps the count
+  the skipped forward pass advanced, so the next step draws new dropout
+  masks; with its count in ``before``
+  (``nnx.as_pure(nnx.state(model, nnx.RngCount))``) the next step draws
+  the skipped step's masks again.
 
   ``nnx.Optimizer.update`` adds the loss scale's updates to the variables
   its ``wrt`` selects: zeros for Flax's float8 overwrite variables. This
@@ -443,8 +448,9 @@ def _check_scaled(optimizer: Any, grads: Any, assume_scaled: bool) -> None:
     warnings.warn(
       "nnx_update() got gradients that nnx_value_and_grad() did not return, for an "
       "optimizer that holds a loss scale, which divides them by the scale. If they "
-      "are gradients of the unscaled loss (nnx.value_and_grad, nnx.grad), the step "
-      "is the scale times too small (1/32768 at the default scale): write "
+      "are gradients of the unscaled loss (nnx.value_and_grad, nnx.grad), the inner "
+      "optimizer gets them the scale times too small (an SGD step 1/32768 of its "
+      "size at the default scale): write "
       "loss, grads = nnx_value_and_grad(fun)(optimizer, model, ...). Gradients of "
       "the scaled loss made otherwise (transformed after nnx_value_and_grad, or "
       "returned by another nnx.jit): pass assume_scaled=True.",

@@ -4,7 +4,9 @@
 same numbers, the same computation); with one, a skipped step keeps the
 fields passed to ``apply_gradients`` (``batch_stats``) and ``all_steps``
 counts it. ``nnx_update(before=...)`` does the same for NNX BatchNorm
-statistics, and ``nnx_value_and_grad`` works without a loss scale.
+statistics, and ``nnx_value_and_grad`` works without a loss scale;
+``nnx_update`` warns about gradients that ``nnx_value_and_grad`` did not
+return (those of the unscaled loss make steps the scale times too small).
 """
 
 import warnings
@@ -241,7 +243,7 @@ def test_nnx_value_and_grad_without_a_loss_scale_is_nnx_value_and_grad():
 # --- NNX: gradients of the scaled loss, or not ---------------------------------
 #
 # A loss-scaled optimizer divides its gradients by the scale, so gradients of
-# the unscaled loss make a step the scale times too small. nnx_update knows
+# the unscaled loss make an SGD step the scale times too small. nnx_update knows
 # the gradients nnx_value_and_grad returned and warns about others;
 # optimizer.update (Flax's) cannot tell. Each case's step is checked against
 # plain optax SGD on nnx.grad's gradients of the unscaled loss.
@@ -377,3 +379,35 @@ def test_scaled_gradients_for_an_optimizer_without_a_loss_scale_are_refused(jit)
   with pytest.raises(ValueError, match="holds no loss scale"):
     step(model, scaled, plain)
   _equal(_params(model), before)
+
+
+class _Drop(nnx.Module):
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(4, 8, rngs=rngs)
+    self.drop = nnx.Dropout(0.5, rngs=rngs)
+    self.out = nnx.Linear(8, 1, rngs=rngs)
+
+  def __call__(self, x):
+    return self.out(self.drop(nnx.relu(self.dense(x))))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+@pytest.mark.parametrize("replay", [False, True], ids=["rngs-move-on", "rngs-kept"])
+def test_a_skipped_step_keeps_the_dropout_count_only_when_before_holds_it(replay, jit):
+  model = _Drop(nnx.Rngs(0, dropout=1))
+  optimizer = nnx.Optimizer(
+    model, ols.dynamic_loss_scale(optax.adam(1e-2)), wrt=nnx.Param
+  )
+
+  def step(model, optimizer, x):
+    before = nnx.as_pure(nnx.state(model, nnx.RngCount)) if replay else None
+    _, grads = nnx_value_and_grad(_nnx_loss)(optimizer, model, x)
+    nnx_update(optimizer, model, grads, before=before)
+
+  step = nnx.jit(step) if jit else step
+  count = lambda: int(model.drop.rngs.count[...])  # noqa: E731
+  step(model, optimizer, X)
+  assert count() == 1  # one forward pass, one mask
+  step(model, optimizer, NAN_X)
+  assert int(ols.diagnostics(optimizer)["skipped_steps"]) == 1
+  assert count() == (1 if replay else 2)
