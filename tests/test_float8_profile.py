@@ -34,11 +34,15 @@ _DATA = pathlib.Path(__file__).parent / "data"
 
 
 def _module(name):
+  """A benchmarks module, imported with ``sys.path`` as it was kept after
+  (the scripts put the repository's root first, where its ``conftest.py``
+  would then shadow the tests' own for later imports)."""
+  saved = list(sys.path)
   sys.path.insert(0, _BENCH)
   try:
     return importlib.import_module(name)
   finally:
-    sys.path.remove(_BENCH)
+    sys.path[:] = saved
 
 
 hlo = _module("_hlo")
