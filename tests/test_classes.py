@@ -17,8 +17,6 @@ Axes, each a table:
   optimizer state.
 """
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,20 +33,6 @@ F16, BF16, F32, F64 = (
   jnp.dtype(d) for d in ("float16", "bfloat16", "float32", "float64")
 )
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
-
-
-@contextlib.contextmanager
-def x64():
-  """float64 on, for the block (JAX's context manager, old or new)."""
-  enable = getattr(jax, "enable_x64", None)
-  if enable is not None:
-    with enable(True):
-      yield
-  else:  # jax < 0.6
-    from jax.experimental import enable_x64
-
-    with enable_x64():
-      yield
 
 
 # --------------------------------------------------------------------------
@@ -143,7 +127,7 @@ def test_half_is_the_backends_half_dtype():
 
 
 def test_float64_is_accepted_where_x64_is_on():
-  with x64():
+  with versions.x64():
     assert ols.Policy(param_dtype="f64").param_dtype == F64
     assert ols.Policy.from_string("double").output_dtype == F64
 
@@ -203,7 +187,7 @@ ENTRY_POINTS = {
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_float64_gradient_is_unscaled_in_float64(entry):
-  with x64():
+  with versions.x64():
     g = jnp.asarray(VALUES * SCALE, jnp.float64)
     got = ENTRY_POINTS[entry](g)
     assert got.dtype == F64, entry
@@ -212,7 +196,7 @@ def test_a_float64_gradient_is_unscaled_in_float64(entry):
 
 
 def test_clipnorm_of_a_float64_gradient_is_in_float64():
-  with x64():
+  with versions.x64():
     opt = ols.porting.LossScaleOptimizer(
       optax.sgd(1.0), initial_scale=1.0, clipnorm=1.0
     )
@@ -224,7 +208,7 @@ def test_clipnorm_of_a_float64_gradient_is_in_float64():
 
 
 def test_a_float64_loss_is_scaled_in_float64():
-  with x64():
+  with versions.x64():
     tx = ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=SCALE)
     state = tx.init({"w": jnp.zeros(2, jnp.float64)})
     loss = jnp.asarray(1.2345678901234567, jnp.float64)
@@ -331,7 +315,7 @@ UNSCALERS = {
 @pytest.mark.parametrize("kind", LEAF_KINDS)
 def test_every_leaf_kind_is_unscaled_exactly_or_refused_by_name(entry, kind):
   make, dtype = LEAF_KINDS[kind]
-  with x64():
+  with versions.x64():
     leaf = make(GRAD * SCALE_8)
     if dtype == "refused":
       with pytest.raises(ValueError, match=r"\['leaf'\].*not an array"):
@@ -363,7 +347,7 @@ CHECKERS = {
 @pytest.mark.parametrize("kind", LEAF_KINDS)
 def test_every_leaf_kind_is_checked_or_refused_by_name(entry, kind):
   make, dtype = LEAF_KINDS[kind]
-  with x64():
+  with versions.x64():
     if dtype == "refused":
       if entry == "check_checkpoint":  # a saved step counter: not checked
         assert CHECKERS[entry](make(GRAD))
@@ -384,7 +368,7 @@ def test_every_leaf_kind_is_checked_or_refused_by_name(entry, kind):
 @pytest.mark.parametrize("kind", ["float16", "bfloat16", "float32", "float64"])
 def test_every_float_kind_of_loss_is_scaled_at_least_in_float32(kind):
   make, dtype = LEAF_KINDS[kind]
-  with x64():
+  with versions.x64():
     state = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=SCALE_8).init(
       jnp.zeros(2)
     )
