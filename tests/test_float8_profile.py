@@ -204,6 +204,7 @@ def _pick(program, text):
   return picked
 
 
+@versions.xla_figures  # which kernels a step has: older XLAs fuse otherwise
 def test_real_step_kernels_land_in_their_categories(float8_step):
   program, text = float8_step
   cats = program.categories()
@@ -250,6 +251,7 @@ def _gpu_trace(module, kernels):
   return {"displayTimeUnit": "ns", "traceEvents": events}
 
 
+@versions.xla_figures  # built from the step's kernels, as above
 def test_gpu_trace_split(float8_step, tmp_path):
   program, text = float8_step
   picked = _pick(program, text)
