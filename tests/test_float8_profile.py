@@ -432,6 +432,12 @@ def test_float8_train_step_passes(float8_step):
 # --------------------------------------------------------------------------
 
 
+#: The script's train steps are bench.py's, on Flax models.
+needs_flax = pytest.mark.skipif(
+  importlib.util.find_spec("flax") is None, reason="the script's models need Flax"
+)
+
+
 @pytest.fixture(scope="module")
 def small_report(tmp_path_factory):
   out = tmp_path_factory.mktemp("float8_profile") / "report.md"
@@ -464,6 +470,7 @@ def _number(cell, unit=""):
   return float(match.group(1))
 
 
+@needs_flax
 @pytest.mark.integration
 def test_small_report_tokens(small_report):
   text, _ = small_report
@@ -488,6 +495,7 @@ def test_small_report_tokens(small_report):
     )
 
 
+@needs_flax
 @pytest.mark.integration
 def test_small_report_split(small_report):
   text, out = small_report
