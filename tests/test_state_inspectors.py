@@ -15,9 +15,7 @@ its scales float32): a reader that looked at its arrays would miss a
 float16 state.
 """
 
-import contextlib
 import re
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +23,7 @@ import numpy as np
 import optax
 import pytest
 import versions
+from test_per_leaf import _warns_if
 
 import optax_lossscale as ols
 
@@ -118,17 +117,6 @@ WRAPPERS = [
   "masked",
   pytest.param("nested", marks=versions.multisteps_dtypes),
 ]
-
-
-@contextlib.contextmanager
-def _warns_if(expected):
-  if expected:
-    with pytest.warns(ols.HalfPrecisionStateWarning, match="float16"):
-      yield
-  else:
-    with warnings.catch_warnings():
-      warnings.simplefilter("error", ols.HalfPrecisionStateWarning)
-      yield
 
 
 def _reference_adam(form, dtype):
