@@ -258,7 +258,10 @@ def rewritten(fun, rules: Rules, spec, *arrays, record: dict | None = None):
     return out, state_after, _autocast_state.Static(graphdef_after)
 
   closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*arrays)
-  roles = _autocast_roles.find(closed.jaxpr)
+  # The roles decide a recipe's matmuls and a listing's kinds; a run with
+  # neither needs no whole-function analysis.
+  wanted = rules.float8 is not None or record is not None
+  roles = _autocast_roles.find(closed.jaxpr) if wanted else {}
   _warn_unmatched(fun, rules.float8, roles)
   walk = _autocast_eval.Walk(rules, record=record, roles=roles)
   outs = _autocast_eval.evaluate(closed.jaxpr, closed.consts, arrays, walk)
