@@ -402,7 +402,10 @@ class Program:
     Every amax and cast pass (:meth:`passes`), and the transposes and
     copies made for a float8 GEMM: those that read a float8 GEMM's or a
     cast's output (or such a copy's), or whose result an amax, a cast or
-    a float8 GEMM reads. ``GEMM`` is the number of float8 GEMMs.
+    a float8 GEMM reads. A copy of the program's own input (a donated
+    parameter kept for a later reader while its buffer takes the update) is
+    the donation's, not the recipe's, and is not counted. ``GEMM`` is the
+    number of float8 GEMMs.
     """
     self.categories()
     gemms = set(self.float8_gemms())
@@ -416,7 +419,13 @@ class Program:
     for name, cat in self._categories.items():
       if cat != "transpose/copy":
         continue
-      reads = {self._producer(o) for o in self.instructions[name].operands}
+      instr = self.instructions[name]
+      reads = {self._producer(o) for o in instr.operands}
+      if all(
+        r in self.instructions and self.instructions[r].opcode == "parameter"
+        for r in reads
+      ):
+        continue  # the donation's copy of an input
       read_by = users.get(name, set())
       if reads & recipe or any(
         self._categories.get(u) in ("amax", "cast") or u in gemms for u in read_by

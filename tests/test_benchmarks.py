@@ -273,6 +273,21 @@ def test_block_memory_benchmark_reports_each_matmul():
   assert float(rows[0][2]) == 1.0 and all(float(r[1]) > 0 for r in rows), out
 
 
+@pytest.mark.integration
+def test_quantize_source_measures_both_conventions(tmp_path):
+  import re
+
+  text = _quick_report("quantize_source.py", tmp_path / "source.md")
+  rows = re.findall(r"^\| (\w+) \| ([\w ]+?) \| (.*) \|$", text, re.M)[1:]
+  assert [r[:2] for r in rows] == [
+    ("float8", "float32 value"),
+    ("float8", "bfloat16 copy"),
+  ], text
+  for _, _, cells in rows:
+    errors = [float(c.split(" ± ")[0]) for c in cells.split(" | ")[:6]]
+    assert all(0 < e < 1 for e in errors), text  # float8 is neither exact nor useless
+
+
 @pytest.fixture(scope="module")
 def run_all():
   sys.path.insert(0, _BENCH)

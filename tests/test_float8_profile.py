@@ -411,8 +411,13 @@ def test_float8_train_step_passes(float8_step):
   counts. The minimum is 3 amax passes and 3 casts per matmul (39 each) and
   no transposed copy. Today: amax at the minimum; 13 casts more (the output
   gradient of each matmul is quantised twice, once in each layout its two
-  gradient products read); 4 transposed copies (attention's operands whose
-  amax is taken from a transposed copy of their magnitudes)."""
+  gradient products read); 5 transposed copies: 4 of attention's operands
+  (whose amax is taken from a transposed copy of their magnitudes), and a
+  kernel of the backward pass that writes the embedding's gradient through
+  a copy and reads float8 GEMMs' float32 gradients directly (before float32
+  operands were quantised from float32, it read their bfloat16 copies'
+  conversions). Copies of donated parameters are the donation's, not
+  counted."""
   program, _ = float8_step
   loss_fn, params, batch = _decoder()
   wrapped = profile.PRECISIONS["float8"][1](loss_fn)
@@ -423,7 +428,7 @@ def test_float8_train_step_passes(float8_step):
     "GEMM": 3 * n,
     "amax": profile.MINIMUM["amax"] * n,
     "cast": profile.MINIMUM["cast"] * n + n,
-    "transpose/copy": 4,
+    "transpose/copy": 5,
   }
 
 

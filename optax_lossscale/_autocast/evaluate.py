@@ -248,27 +248,26 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
         params["preferred_element_type"] = _F32
   if "preferred_element_type" not in eqn.params:
     params = {}
-  invals = [cast(x, d) for x, d in zip(invals, targets, strict=True)]
+  given, invals = invals, [cast(x, d) for x, d in zip(invals, targets, strict=True)]
   if not matmul:
     return _jaxpr.bind(eqn, invals, params)
   out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
   dims = eqn.params["dimension_numbers"]
   recipe, why = _recipe(walk.rules.float8, walk, _kind(eqn, flags, walk))
   recipe = recipe if min(sizes) >= 2 else None
-  _note(eqn, flags, recipe, precision, out_dtype, walk, why)
+  # A recipe quantises the operands as the matmul receives them, not their
+  # copies in the compute dtype: a float32 weight or activation from
+  # float32 (its scale from its own amax), its gradient float32, accumulated
+  # in float32 (BENCHMARKS.md, "What a recipe quantises").
+  operands = given if min(sizes) >= 4 else invals
+  _note(eqn, flags, recipe, precision, out_dtype, walk, why, operands)
   sharding = eqn.params.get("out_sharding")
   if recipe is None:
     return _jaxpr.bind(eqn, invals, params)
-  if isinstance(recipe, _float8.Float8Matmul):
-    # Both operands as cast above: a float32 operand is quantised from its
-    # copy in the compute dtype (float32 -> half -> float8), its scale from
-    # that copy's amax.
-    out = _float8.dot_general(*invals, dims, out_dtype, recipe, out_sharding=sharding)
-  else:
-    out = _block_matmul.dot_general(
-      *invals, dims, out_dtype, recipe, out_sharding=sharding
-    )
-  return [out]
+  dot = _float8.dot_general
+  if not isinstance(recipe, _float8.Float8Matmul):
+    dot = _block_matmul.dot_general
+  return [dot(*operands, dims, out_dtype, recipe, out_sharding=sharding)]
 
 
 def _recipe(recipe, walk: Walk, kind: str):
@@ -295,7 +294,9 @@ def _kind(eqn, flags: list[bool], walk: Walk) -> str:
   return "attention" if batched and not any(flags) else "weight"
 
 
-def _note(eqn, flags, recipe, precision: str, out_dtype, walk: Walk, why=None) -> None:
+def _note(
+  eqn, flags, recipe, precision: str, out_dtype, walk: Walk, why=None, operands=()
+) -> None:
   """A listing's record of this matmul (once per equation, however often
   its body is traced)."""
   found = walk.record
@@ -312,6 +313,9 @@ def _note(eqn, flags, recipe, precision: str, out_dtype, walk: Walk, why=None) -
       "precision": precision if recipe is None else recipe.fmt,
       "out_dtype": jnp.dtype(out_dtype).name,
       "kept": why,
+      "quantized_from": None
+      if recipe is None
+      else tuple(jnp.dtype(x.dtype).name for x in operands),
     },
   )
 

@@ -25,6 +25,7 @@ class Matmul(NamedTuple):
   precision: str
   out_dtype: str
   kept: str | None = None
+  quantized_from: tuple[str, str] | None = None
 
 
 #: The rules of a function that is not an autocast one: every primitive as
@@ -62,7 +63,12 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
     matmul with a table the function gathers from, both found by structure,
     the recipe's ``keep``; ``"exclude <pattern>"`` or ``"exclude"``: the
     recipe's ``exclude``; ``"attention"``: the recipe's ``attention`` is
-    off), ``None`` if it runs in the recipe or there is none.
+    off), ``None`` if it runs in the recipe or there is none;
+    ``quantized_from``, the dtypes of the two operands the recipe quantises
+    (``("float32", "float32")`` for a float32 activation and weight: the
+    values themselves, not their copies in the compute dtype; a
+    ``"bfloat16"`` operand is a value the function computed in
+    ``compute_dtype``), ``None`` if no recipe quantises it.
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
@@ -70,8 +76,10 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
     ...   return (jnp.tanh(x @ w1) @ w2).sum()
     >>> g = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="nvfp4")
     >>> w1, w2, x = jnp.ones((8, 16)), jnp.ones((16, 4)), jnp.ones((2, 8))
-    >>> [(m.precision, m.kept) for m in ols.list_matmuls(g, w1, w2, x)]
-    [('nvfp4', None), ('bfloat16', 'output')]
+    >>> for m in ols.list_matmuls(g, w1, w2, x):
+    ...   print(m.precision, m.kept, m.quantized_from)
+    nvfp4 None ('float32', 'float32')
+    bfloat16 output None
   """
   inner, rules = getattr(fun, "_autocast", (fun, _AS_WRITTEN))
   _, spec, arrays = _autocast.prepare(inner, args, kwargs)
@@ -83,10 +91,13 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
 
 def format_matmuls(matmuls: list[Matmul]) -> str:
   """:func:`list_matmuls`' answer as a table, one line per matmul."""
-  rows = [("path", "kind", "lhs x rhs -> out", "precision", "result", "kept")]
+  rows = [("path", "kind", "lhs x rhs -> out", "precision", "from", "result", "kept")]
   for m in matmuls:
     shapes = f"{m.lhs_shape} x {m.rhs_shape} -> {m.out_shape}"
-    rows.append((m.path or "-", m.kind, shapes, m.precision, m.out_dtype, m.kept or ""))
+    source = " x ".join(m.quantized_from or ())
+    rows.append(
+      (m.path or "-", m.kind, shapes, m.precision, source, m.out_dtype, m.kept or "")
+    )
   widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
   return "\n".join(
     "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows

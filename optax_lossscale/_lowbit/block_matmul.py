@@ -239,7 +239,7 @@ def _rotate(x: jax.Array, axis: int) -> jax.Array:
 
 def _key(recipe: NVFP4Matmul, g: jax.Array) -> jax.Array:
   """The step's key: ``key(recipe.seed)`` folded with a 32-bit hash of ``g``'s bits."""
-  bits = lax.bitcast_convert_type(g.astype(_F32), jnp.uint32)
+  bits = lax.bitcast_convert_type(_tree.widen(g).astype(_F32), jnp.uint32)
   mixed = bits * jnp.uint32(0x9E3779B1) + jnp.arange(
     bits.size, dtype=jnp.uint32
   ).reshape(bits.shape)
@@ -366,7 +366,7 @@ def _dot_general(lhs, rhs, dimension_numbers, out_dtype, recipe):
     # weight gradient xᵀ dy: contract M (the Hadamard transform along it)
     x, dy = a3, g3
     if nv and recipe.random_hadamard:
-      x, dy = _rotate(x.astype(_F32), 1), _rotate(dy.astype(_F32), 1)
+      x, dy = (_rotate(_tree.widen(v).astype(_F32), 1) for v in (x, dy))
     dyq = _q(dy, 1, recipe, key=k2) if nv else _q(dy, 1, recipe)
     db = gemm(_q(x, 1, recipe), dyq)  # (B, K, N)
     return back_a(da).astype(a.dtype), back_b(db).astype(b.dtype)

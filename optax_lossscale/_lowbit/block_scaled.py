@@ -41,6 +41,7 @@ import numpy as np
 from jax import lax
 
 from optax_lossscale._base import rounding as _rounding
+from optax_lossscale._base import tree as _tree
 from optax_lossscale._lowbit import exact as _exact
 from optax_lossscale._lowbit import layout as _layout
 
@@ -306,7 +307,7 @@ def block_quantize(
       f"`rule` for {fmt} must be one of {', '.join(map(repr, RULES[fmt]))}, "
       f"got {rule!r}."
     )
-  x32 = x.astype(_F32)
+  x32 = _tree.widen(x).astype(_F32)  # at x's precision, whatever XLA fused
   if tile_axis is None:
     b = _layout.blocks(x32, axis, spec.block)
     amax = jnp.max(jnp.abs(b), axis=-1, keepdims=True)

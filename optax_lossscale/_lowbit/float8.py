@@ -152,9 +152,11 @@ def quantize(x: jax.Array, dtype: Any, power_of_two: bool = False):
   construction, and a value that is not finite stays so (``float8_e4m3fn``
   has no infinity: it becomes NaN). Not differentiable in forward mode, so
   that ``jax.hessian`` or a ``jvp`` of a gradient of a float8 matmul raises
-  instead of sending tangents through an unscaled float8 cast.
+  instead of sending tangents through an unscaled float8 cast. A half
+  ``x`` is read at its own precision (``_tree.widen``), never at the
+  float32 precision XLA may have computed it in before rounding.
   """
-  x32 = x.astype(jnp.float32)
+  x32 = _tree.widen(x).astype(jnp.float32)
   scale = current_scale(jnp.max(jnp.abs(x32), initial=0.0), dtype, power_of_two)
   return (x32 * scale).astype(dtype), 1 / scale
 
