@@ -140,19 +140,27 @@ def unscale_tree(
   keeps float32 master weights of: ``_plan.float32_gradient_leaves``).
   """
 
-  def divide(x, by):
+  # Each reciprocal is computed once per (divisor, leaf dtype), not once per
+  # leaf: the same values, and a step of n leaves traces and compiles n
+  # multiplications by it rather than n divisions as well.
+  inverses: dict[tuple[int, Any], jax.Array] = {}
+
+  def divide(x, by, which):
     # In float32 for half leaves, in the leaf's own precision otherwise: a
     # float64 leaf gets a float64 reciprocal, not a float32 one.
     wide = _tree.wide_dtype(x.dtype)
-    inv = 1.0 / jnp.asarray(by, _F32).astype(jnp.finfo(wide).dtype)
-    return _tree.widen(x) * inv.astype(wide)
+    inv = inverses.get((which, wide))
+    if inv is None:
+      inv = 1.0 / jnp.asarray(by, _F32).astype(jnp.finfo(wide).dtype)
+      inv = inverses[which, wide] = inv.astype(wide)
+    return _tree.widen(x) * inv
 
   def one(x, kept, wide):
     if kept or not _tree.is_float_array(x):
       return x
-    out = divide(x, loss_scale)
+    out = divide(x, loss_scale, 0)
     if factor is not None:  # after a cast back to x's dtype, as Keras does
-      out = divide(out if wide else out.astype(x.dtype), factor)
+      out = divide(out if wide else out.astype(x.dtype), factor, 1)
     return out if wide else out.astype(x.dtype)
 
   if float32 is None or isinstance(float32, bool):
