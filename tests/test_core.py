@@ -75,6 +75,35 @@ def test_unscale_keeps_dtypes_and_divides_in_float32(dtype):
   assert out["n"] is None
 
 
+def _divisions(fn, *args):
+  eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+  return sum(e.primitive.name == "div" for e in eqns)
+
+
+@pytest.mark.parametrize("factor, divisors", [(None, 1), (4.0, 2)])
+@pytest.mark.parametrize("n", [3, 40])
+def test_unscale_divides_once_per_divisor_whatever_the_leaves(factor, divisors, n):
+  """The reciprocal is computed once per divisor and computing dtype (float32
+  for float32, bfloat16 and float16 leaves alike), not once per leaf: a tree
+  of n leaves traces the same divisions as a tree of one."""
+  dtypes = [jnp.float32, jnp.bfloat16, jnp.float16]
+  tree = [jnp.full((i + 1,), 3.0 * 2.0**4, dtypes[i % 3]) * (i + 1) for i in range(n)]
+  scale = jnp.asarray(2.0**10, jnp.float32)
+
+  def unscaled(t, s):
+    return _core.unscale_tree(t, s, factor)
+
+  assert _divisions(unscaled, tree, scale) == divisors
+  # The values are each leaf's own division (the unshared form).
+  out = jax.jit(unscaled)(tree, scale)
+  for x, y in zip(tree, out, strict=True):
+    want = np.asarray(x, np.float32) * np.float32(1 / 2.0**10)
+    if factor is not None:
+      want = want.astype(x.dtype).astype(np.float32) * np.float32(1 / factor)
+    assert y.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(y), want.astype(x.dtype))
+
+
 def test_unscale_half_goes_through_float32():
   # 60000 (float16) / 0.5 overflows float16 but not float32; the cast back to
   # float16 must then give inf. 1e-7 * 2**-10 computed in float16 underflows,
