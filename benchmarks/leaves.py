@@ -8,7 +8,7 @@
 * finite: the finite check alone, one reduction per leaf against ours;
 * tree: compile time of the update step on a GPT-2-shaped tree (d=128) of
   2, 12 and 24 blocks (29, 149 and 293 leaves): adam, ``dynamic_loss_scale``,
-  ``quantize_state`` and ``dynamic_loss_scale(master_weights(quantize_state))``
+  optax's ``apply_if_finite`` (for comparison), ``quantize_state`` and ``dynamic_loss_scale(master_weights(quantize_state))``
   on bfloat16 parameters, alone and inside ``lax.scan``, as ratios to adam,
   with the lines XLA printed while compiling.
 
@@ -212,6 +212,10 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
       jnp.float32,
       lambda: ols.dynamic_loss_scale(optax.adam(LR)),
     ),
+    "optax.apply_if_finite(adam)": (
+      jnp.float32,
+      lambda: optax.apply_if_finite(optax.adam(LR), 10),
+    ),
     "quantize_state(adam)": (jnp.float32, lambda: ols.quantize_state(optax.adam(LR))),
     "dls(master_weights(quantize_state(adam))), bf16": (
       jnp.bfloat16,
@@ -258,16 +262,18 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
         *[f"{row[n] / base:.2f}" for n in list(optimizers)[1:]],
       ]
     rows.append(cells)
-  names = ["adam", "loss scale", "8-bit", "all three"]
+  names = ["adam", "loss scale", "apply_if_finite", "8-bit", "all three"]
   header = ["leaves"] + [
     f"{n}{' in scan' if scanned else ''}" for scanned in scans for n in names
   ]
   lines = [
     "Compile time (trace, lower and compile, one run each) of the update "
     "step on a GPT-2-shaped tree (d_model 128, vocabulary 256): adam's, and "
-    "as ratios to it `dynamic_loss_scale(adam)` (loss scale), "
-    "`quantize_state(adam)` (8-bit) and `dynamic_loss_scale(master_weights("
-    "quantize_state(adam)))` on bfloat16 parameters (all three); in scan: "
+    "as ratios to it `dynamic_loss_scale(adam)` (loss scale), optax's "
+    "`apply_if_finite(adam, 10)` (its skip of non-finite steps, for "
+    "comparison), `quantize_state(adam)` (8-bit) and "
+    "`dynamic_loss_scale(master_weights(quantize_state(adam)))` on bfloat16 "
+    "parameters (all three); in scan: "
     f"{scan_steps} steps in one `lax.scan`. Lines XLA printed while "
     f"compiling: {len(printed)}.",
     "",
