@@ -205,12 +205,14 @@ def test_an_unknown_name_is_an_argparse_error(tmp_path):
   assert "no result file b (known: a)" in result.stderr
 
 
-def test_every_published_file_names_a_python_example():
+def test_every_published_file_names_a_script_of_the_repository():
+  """An example, or a benchmark whose result a guide cites."""
   names = sorted(p.stem for p in SCRIPT.parent.glob("*.txt"))
   assert "train_lm_seed0" in names
   for name in names:
     words = regenerate.command_of((SCRIPT.parent / f"{name}.txt").read_text(), name)
-    assert words[1].startswith("examples/") and (ROOT / words[1]).is_file(), words
+    assert words[1].startswith(("examples/", "benchmarks/")), words
+    assert (ROOT / words[1]).is_file(), words
   for plot, source in regenerate.PLOTS.items():
     assert (SCRIPT.parent / plot).is_file() and source in names, plot
 

@@ -1,7 +1,9 @@
-"""Write the examples' result files again from their own commands, or check them.
+"""Write the published result files again from their own commands, or check them.
 
 Each result file ``docs/results/NAME.txt`` begins with the line
-``$ python examples/SCRIPT.py [ARGS]``: the command that made it. This
+``$ python examples/SCRIPT.py [ARGS]`` (an example's, or a benchmark's
+whose result a guide cites: ``benchmarks/SCRIPT.py``): the command that
+made it. This
 script runs that command from the repository's root (``python`` being the
 interpreter that runs this script) and writes the file again as that line
 followed by everything the command printed on its standard output (its
