@@ -79,6 +79,7 @@ def _direct(recipe, half, copies, out_dtype):
   return f
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize("name", _params(RECIPES))
 def test_float32_operands_are_quantised_from_float32(name, half):
@@ -134,6 +135,7 @@ QUANTISERS = {
 }
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("half", HALVES)
 @pytest.mark.parametrize(
   "name",
