@@ -273,6 +273,7 @@ def test_block_memory_benchmark_reports_each_matmul():
   assert float(rows[0][2]) == 1.0 and all(float(r[1]) > 0 for r in rows), out
 
 
+@versions.examples
 @pytest.mark.integration
 def test_quantize_source_measures_both_conventions(tmp_path):
   import re

@@ -177,7 +177,7 @@ def test_list_matmuls_names_the_dtypes_quantised(name):
   # a matmul left in the compute dtype quantises nothing
   plain = ols.list_matmuls(ols.autocast(f, compute_dtype=jnp.bfloat16), x, w, w.T)
   assert [m.quantized_from for m in plain] == [None, None]
-  if name == "float8":
+  if name == "nvfp4":
     kept = ols.list_matmuls(
       ols.autocast(
         f, compute_dtype=jnp.bfloat16, matmul=ols.NVFP4Matmul(keep=("output",))
