@@ -20,11 +20,17 @@ own is used instead, and kept.
 
 import contextlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
+# Python runs `uname -p` once, the first time anything asks for the
+# processor (importing Keras does), and keeps the answer: asked here, before
+# any test, so that a test importing Keras first in its process does not
+# start that process inside the test.
+platform.processor()
 
 import jax  # noqa: E402
 
