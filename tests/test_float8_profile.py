@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import report_tables
 import versions
 
 import optax_lossscale as ols
@@ -457,22 +458,7 @@ def small_report(tmp_path_factory):
   return out.read_text(), out
 
 
-def _table(text, first_header):
-  lines = text.splitlines()
-  start = next(i for i, line in enumerate(lines) if line.startswith(first_header))
-  rows = []
-  for line in lines[start + 2 :]:
-    if not line.startswith("|"):
-      break
-    rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-  assert rows, f"no rows under {first_header!r}"
-  return rows
-
-
-def _number(cell, unit=""):
-  match = re.fullmatch(rf"\**([+-]?[0-9.]+)\**\s*{re.escape(unit)}", cell)
-  assert match, f"{cell!r} is not a number in {unit or 'no unit'}"
-  return float(match.group(1))
+_table, _number = report_tables.table, report_tables.number
 
 
 @needs_flax

@@ -17,6 +17,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
+import report_tables
 
 import optax_lossscale as ols
 
@@ -59,23 +60,7 @@ def _section(report, number):
   return sections[title]
 
 
-def _table(text, first_header):
-  """The rows (lists of cells) of the table whose header starts so."""
-  lines = text.splitlines()
-  start = next(i for i, line in enumerate(lines) if line.startswith(first_header))
-  rows = []
-  for line in lines[start + 2 :]:
-    if not line.startswith("|"):
-      break
-    rows.append([c.strip() for c in line.strip().strip("|").split("|")])
-  assert rows, f"no rows under {first_header!r}"
-  return rows
-
-
-def _number(cell, unit=""):
-  match = re.fullmatch(rf"([+-]?[0-9.]+(?:e[+-]?\d+)?)\s*{re.escape(unit)}", cell)
-  assert match, f"{cell!r} is not a number in {unit or 'no unit'}"
-  return float(match.group(1))
+_table, _number = report_tables.table, report_tables.number
 
 
 def _quotient_bounds(a, b, ea, eb):
