@@ -8,9 +8,10 @@
 * finite: the finite check alone, one reduction per leaf against ours;
 * tree: compile time of the update step on a GPT-2-shaped tree (d=128) of
   2, 12 and 24 blocks (29, 149 and 293 leaves): adam, ``dynamic_loss_scale``,
-  optax's ``apply_if_finite`` (for comparison), ``quantize_state`` and ``dynamic_loss_scale(master_weights(quantize_state))``
-  on bfloat16 parameters, alone and inside ``lax.scan``, as ratios to adam,
-  with the lines XLA printed while compiling.
+  optax's ``apply_if_finite`` (for comparison), ``quantize_state`` and
+  ``dynamic_loss_scale(master_weights(quantize_state))`` on bfloat16
+  parameters, alone and inside ``lax.scan``, as ratios to adam, with the
+  lines XLA printed while compiling.
 
 Run:  python benchmarks/leaves.py [--quick] [--sections leaves,distinct,finite,tree]
 """
