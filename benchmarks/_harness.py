@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import platform
@@ -229,6 +230,43 @@ def details(summary, text):
     "",
     "</details>",
   ]
+
+
+# --------------------------------------------------------------------------
+# A --small run: the same report on tiny workloads (a CPU, the tests).
+# --------------------------------------------------------------------------
+
+#: XLA flags --small adds (compiling dominates the tiny workloads' run time).
+SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def small_parser(description, small):
+  """An argument parser whose help says what ``--small`` sets (``small``:
+  ``{option: value}``); add ``--small`` and the options, then call
+  :func:`small_defaults`."""
+  return argparse.ArgumentParser(
+    description=description,
+    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    epilog="With --small, every option left at its default takes its --small "
+    "value instead: "
+    + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in small.items()),
+  )
+
+
+def small_defaults(parser, args, small):
+  """With ``args.small``, each option of ``small`` left at its default takes
+  its ``small`` value."""
+  if args.small:
+    for key, value in small.items():
+      if getattr(args, key) == parser.get_default(key):
+        setattr(args, key, value)
+
+
+def small_xla_flags():
+  """Adds :data:`SMALL_XLA_FLAGS` to ``XLA_FLAGS`` (before JAX starts its
+  backend, and for the processes it starts)."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAGS}".strip()
 
 
 # --------------------------------------------------------------------------

@@ -42,7 +42,6 @@ Run:  python benchmarks/float8_profile.py [--small] [--out PATH]   (see --help)
 
 from __future__ import annotations
 
-import argparse
 import gc
 import glob
 import gzip
@@ -64,7 +63,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import train_step  # noqa: E402
-from _harness import details, error_text, measure_many, table  # noqa: E402
+from _harness import (  # noqa: E402
+  SMALL_XLA_FLAGS,
+  details,
+  error_text,
+  measure_many,
+  small_defaults,
+  small_parser,
+  small_xla_flags,
+  table,
+)
 from _hlo import CATEGORIES, GEMM_TARGETS, Program  # noqa: E402
 from gpu_transformer import decoder_loss, init_decoder, step_flops  # noqa: E402
 
@@ -94,8 +102,6 @@ SMALL = {
   "warmup": 1,
   "profile_steps": 2,
 }
-#: XLA flags --small adds (compiling dominates the tiny workloads' run time).
-SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0"
 #: The recipe's passes over memory per float8 matmul of a train step: an
 #: amax and a cast of each forward operand and of the output gradient; the
 #: backward's two products reuse the saved float8 operands.
@@ -535,13 +541,7 @@ def report(args, argv, env_lines, sizes, results, t_start, backend):
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    epilog="With --small, every option left at its default takes its --small "
-    "value instead: "
-    + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMALL.items()),
-  )
+  parser = small_parser(__doc__.splitlines()[0], SMALL)
   add = parser.add_argument
   add(
     "--out",
@@ -560,10 +560,7 @@ def parse_args(argv=None):
   add("--warmup", type=int, default=2, help="warm-up steps per round")
   add("--profile-steps", type=int, default=3, help="steps in each trace")
   args = parser.parse_args(argv)
-  if args.small:
-    for key, value in SMALL.items():
-      if getattr(args, key) == parser.get_default(key):
-        setattr(args, key, value)
+  small_defaults(parser, args, SMALL)
   try:
     args.size_list = parse_sizes(args.sizes)
   except ValueError as e:
@@ -584,8 +581,7 @@ def main(argv=None):
   # of an 80 GB GPU.
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
   if args.small:
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAGS}".strip()
+    small_xla_flags()
   from gpu_report import environment, environment_lines
 
   out = os.path.abspath(args.out)

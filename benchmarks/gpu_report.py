@@ -44,7 +44,6 @@ Run:  python benchmarks/gpu_report.py [--small] [--out PATH]   (see --help)
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import shlex
@@ -62,7 +61,16 @@ import jax  # noqa: E402
 import quantize_state  # noqa: E402
 import train_step  # noqa: E402
 import update_step  # noqa: E402
-from _harness import details, error_text, machine, tree  # noqa: E402
+from _harness import (  # noqa: E402
+  SMALL_XLA_FLAGS,
+  details,
+  error_text,
+  machine,
+  small_defaults,
+  small_parser,
+  small_xla_flags,
+  tree,
+)
 from gpu_tests import run_tests, tests_lines, tests_workers  # noqa: E402
 from gpu_transformer import transformer  # noqa: E402
 
@@ -85,10 +93,6 @@ SMALL = {
   "rounds": 1,
   "warmup": 2,
 }
-
-
-#: XLA flags --small adds (compiling dominates the tiny workloads' run time).
-SMALL_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 #: train_step.train_cases' sizes under --small (the defaults are the report's).
@@ -232,13 +236,7 @@ def bench_train_step(args):
 
 
 def parse_args(argv=None):
-  parser = argparse.ArgumentParser(
-    description=__doc__.splitlines()[0],
-    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    epilog="With --small, every option left at its default takes its --small "
-    "value instead: "
-    + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in SMALL.items()),
-  )
+  parser = small_parser(__doc__.splitlines()[0], SMALL)
   add = parser.add_argument
   add(
     "--out",
@@ -294,10 +292,7 @@ def parse_args(argv=None):
   add("--rounds", type=int, default=3, help="rounds of transformer timing")
   add("--warmup", type=int, default=3, help="warm-up transformer steps per round")
   args = parser.parse_args(argv)
-  if args.small:
-    for key, value in SMALL.items():
-      if getattr(args, key) == parser.get_default(key):
-        setattr(args, key, value)
+  small_defaults(parser, args, SMALL)
   args.sections = [s for s in args.sections.split(",") if s]
   unknown = set(args.sections) - set(SECTIONS)
   if unknown:
@@ -308,8 +303,7 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   if args.small:  # before JAX starts its backend (and for the tests' process)
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAGS}".strip()
+    small_xla_flags()
   out = os.path.abspath(args.out)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   stem = os.path.splitext(out)[0]
