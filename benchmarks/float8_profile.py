@@ -59,6 +59,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path[:0] = [HERE, ROOT]  # the harness; optax_lossscale, also when not installed
 
+import gpu_transformer as _transformer  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -78,17 +79,9 @@ from gpu_transformer import decoder_loss, init_decoder, step_flops  # noqa: E402
 
 import optax_lossscale as ols  # noqa: E402
 
-#: name -> (how the float32 loss is wrapped, in words; the wrapping).
-PRECISIONS = {
-  "bfloat16": (
-    "`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16)`",
-    lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16),
-  ),
-  "float8": (
-    '`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, matmul="float8")`',
-    lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="float8"),
-  ),
-}
+#: name -> (how the float32 loss is wrapped, in words; the wrapping): the
+#: GPU transformer's bfloat16 and float8.
+PRECISIONS = {k: _transformer.PRECISIONS[k] for k in ("bfloat16", "float8")}
 #: Each size: d_model:layers:heads:seq:batch (8192 tokens a step; with Adam's
 #: float32 state the largest takes about 40 GB).
 SIZES = "1024:8:16:1024:8,2048:4:16:2048:4,4096:2:32:2048:4"
