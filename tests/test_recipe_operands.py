@@ -10,7 +10,7 @@ precision"): jitted, a quantiser gives the codes it gives eagerly.
 
 Axes: the recipe (float8, float8 with power-of-two scales, MXFP8, NVFP4
 with and without its stochastic rounding) x the compute dtype (bfloat16,
-float16); each case against the recipe's own matmul called on the values
+float16), and float64 (x64) and zero-size operands; each case against the recipe's own matmul called on the values
 the rule names (and not on the other ones), or against the eager run.
 The whole function jitted may still differ from it eagerly, as a plain
 bfloat16 one does: XLA may compute the function's own half-precision
@@ -188,3 +188,31 @@ def test_list_matmuls_names_the_dtypes_quantised(name):
     )
     assert [m.kept for m in kept] == [None, "output"]
     assert kept[1].quantized_from is None
+
+
+@pytest.mark.parametrize("name", _params(RECIPES))
+def test_float64_and_empty_operands(name):
+  """Under x64 a float64 operand is quantised (its float32 value: the
+  quantisers compute in float32) and its gradient is float64; a zero-size
+  operand gives zero-size gradients, as the plain matmul does."""
+  recipe = _recipe(name)
+  f = lambda x, w: jnp.sum(jnp.tanh(x @ w))  # noqa: E731
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=recipe)
+  with versions.x64():
+    x, w, _ = (np.asarray(a, np.float64) for a in _data())
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    (found,) = ols.list_matmuls(fast, x, w)
+    assert found.quantized_from == ("float64", "float64")
+    dx, dw = jax.jit(jax.grad(fast, argnums=(0, 1)))(x, w)
+    assert dx.dtype == dw.dtype == jnp.float64
+    want = jax.grad(f, argnums=(0, 1))(x, w)
+    for got, ref in zip((dx, dw), want, strict=True):
+      # the whole gradient within the formats' error, as the benchmarks
+      # measure it (NVFP4's is about 0.2), and not the plain one
+      error = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+      assert 0 < error < 0.35, (name, error)
+  x, w, _ = _data()
+  empty = x[:0]
+  dx, dw = jax.grad(fast, argnums=(0, 1))(empty, w)
+  assert dx.shape == empty.shape and dw.shape == w.shape
+  np.testing.assert_array_equal(dw, jnp.zeros_like(w))
