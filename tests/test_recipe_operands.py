@@ -10,8 +10,9 @@ precision"): jitted, a quantiser gives the codes it gives eagerly.
 
 Axes: the recipe (float8, float8 with power-of-two scales, MXFP8, NVFP4
 with and without its stochastic rounding) x the compute dtype (bfloat16,
-float16), and float64 (x64) and zero-size operands; each case against the recipe's own matmul called on the values
-the rule names (and not on the other ones), or against the eager run.
+float16), and float64 (x64) and zero-size operands; each case against the
+recipe's own matmul called on the values the rule names (and not on the
+other ones), the plain function, or the eager run.
 The whole function jitted may still differ from it eagerly, as a plain
 bfloat16 one does: XLA may compute the function's own half-precision
 elementwise work from unrounded inputs.
