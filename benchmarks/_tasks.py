@@ -27,8 +27,8 @@ import train_lm  # noqa: E402
 F32 = jnp.dtype(jnp.float32)
 
 
-def lm_task(steps, seed):
-  """The main example's transformer (computing in bfloat16) and its data."""
+def lm_task(steps, seed, dtype=jnp.bfloat16):
+  """The main example's transformer (computing in ``dtype``) and its data."""
   train_text, val_text, *_ = train_lm.load_text(0.1)
   encode = train_lm.make_tokenizer(train_text, 256)
   tokens, _ = encode(train_text)
@@ -39,7 +39,7 @@ def lm_task(steps, seed):
   )
   batches = [(w,) for w in windows]
   val_tokens = val[val_idx]
-  model = train_lm.Transformer(2, 128, 4, context, 256, jnp.bfloat16)
+  model = train_lm.Transformer(2, 128, 4, context, 256, dtype)
   params = model.init(jax.random.key(seed), batches[0][0][:, :-1])["params"]
   loss_fn = lambda p, t: train_lm.loss_fn(model, p, t)
 

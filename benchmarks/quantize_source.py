@@ -32,13 +32,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-import _tasks  # noqa: F401  (puts examples/ on the path)
+import _tasks  # (it puts examples/ on the path)
 import block_memory
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import train_lm
 from _harness import machine_line, table, write_report
 
 import optax_lossscale as ols
@@ -71,23 +70,10 @@ def bfloat16_copies():
 
 
 def task(batches, steps, seed=0):
-  """The float32 transformer, its initial parameters, and batches of its text."""
-  train_text, val_text, *_ = train_lm.load_text(0.1)
-  encode = train_lm.make_tokenizer(train_text, 256)
-  tokens, _ = encode(train_text)
-  val, _ = encode(val_text)
-  windows, _ = train_lm.sample(
-    tokens,
-    val,
-    steps=steps + batches,
-    batch=24,
-    context=128,
-    eval_sequences=1,
-    seed=seed,
-  )
-  model = train_lm.Transformer(2, 128, 4, 128, 256)
-  params = model.init(jax.random.key(seed), windows[0][:, :-1])["params"]
-  loss = lambda p, t: train_lm.loss_fn(model, p, t)  # noqa: E731
+  """The float32 transformer, its initial parameters, ``steps`` batches to
+  train on and ``batches`` more (``_tasks.lm_task``'s text and sizes)."""
+  _, params, windows, loss, _ = _tasks.lm_task(steps + batches, seed, jnp.float32)
+  windows = [w for (w,) in windows]
   return loss, params, windows[:steps], windows[steps:]
 
 
