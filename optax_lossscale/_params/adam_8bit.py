@@ -376,4 +376,16 @@ def _pallas(body, scalars, rows, tile):
     + [spec(r) for r in rows],
     out_specs=[spec(o) for o in out_shape],
     interpret=jax.default_backend() != "gpu",
+    **_triton(),
   )(*scalars, *rows)
+
+
+def _triton() -> dict:
+  """``pallas_call``'s options that pick its Triton lowering on a GPU, where
+  newer JAX picks Mosaic GPU (whose copies need warpgroup-sized rows)."""
+  try:
+    from jax.experimental.pallas import triton as pltriton
+  except ImportError:  # a JAX without GPU lowering: interpreted anyway
+    return {}
+  params = getattr(pltriton, "CompilerParams", None) or pltriton.TritonCompilerParams
+  return {"compiler_params": params()}
