@@ -7,7 +7,9 @@ Tested on ``jax.nn.dot_product_attention``, Flax's
 ``MultiHeadDotProductAttention`` and a hand-written softmax attention, with
 inputs whose logits exceed float16's largest value (the control below shows
 that they do), against float32; and the rule's other side: a matmul read by
-another matmul stays in float16.
+another matmul stays in float16. The derivatives of such a product (the
+logits', a language model's output layer's, a convolution's) are half
+products: no backward matmul reads a float32 operand.
 """
 
 import jax
@@ -91,13 +93,14 @@ def test_the_gradients_of_overflowing_logits_are_finite(name):
   assert bool(jnp.all(jnp.isfinite(g))), name
 
 
-def _dots(fn, *args):
-  """``(input dtypes, output dtype)`` of every dot_general, in order, nested too."""
+def _dots(fn, *args, names=("dot_general",)):
+  """``(input dtypes, output dtype)`` of every dot_general (or primitive of
+  ``names``), in order, nested too."""
   found = []
 
   def visit(jaxpr):
     for e in jaxpr.eqns:
-      if e.primitive.name == "dot_general":
+      if e.primitive.name in names:
         found.append(
           (tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
         )
@@ -158,3 +161,58 @@ def test_flax_multi_head_attention_with_overflowing_logits():
   got = ols.autocast(f, compute_dtype=jnp.float16)(params, x)
   assert bool(jnp.all(jnp.isfinite(got)))
   np.testing.assert_allclose(got, want, atol=4e-3 * float(jnp.max(jnp.abs(want))))
+
+
+def _output_layer(w, x):
+  """A language model's last matmul: its logits read by log_softmax."""
+  return -jnp.mean(jax.nn.log_softmax(x @ w)[..., 0])
+
+
+def _conv(w, x):
+  """A convolution read in float32 only (exp, then a mean)."""
+  y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME")
+  return jnp.mean(jnp.exp(-jnp.abs(y)))
+
+
+def _attention(w, x):
+  return jnp.sum(hand_written(x, x @ w, x) ** 2)
+
+
+FLOAT32_RESULTS = {  # name: (function of (w, x), w, x)
+  "output layer": (_output_layer, (8, 32), (4, 8)),
+  "attention logits": (_attention, (8, 8), (2, 3, 2, 8)),
+  "convolution": (_conv, (4, 2, 3, 3), (2, 2, 6, 6)),
+}
+DERIVATIVES = {
+  "grad": lambda f: jax.grad(f),
+  "vmap of grad": lambda f: jax.vmap(jax.grad(f), in_axes=(None, 0)),
+  "jacfwd": lambda f: jax.jacfwd(f),
+}
+PRODUCTS = ("dot_general", "conv_general_dilated")
+
+
+@pytest.mark.parametrize("derivative", DERIVATIVES)
+@pytest.mark.parametrize("half", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("name", FLOAT32_RESULTS)
+def test_the_derivatives_of_a_float32_result_are_half_products(name, half, derivative):
+  fn, w_shape, x_shape = FLOAT32_RESULTS[name]
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=w_shape) / np.sqrt(w_shape[-2]), jnp.float32)
+  x = jnp.asarray(rng.normal(size=x_shape), jnp.float32)
+  if derivative == "vmap of grad":
+    x = jnp.stack([x, 2 * x])
+  cast = ols.autocast(fn, compute_dtype=half)
+  # The forward pass: half operands, a product with a float32 result.
+  forward = _dots(cast, w, x[0] if derivative == "vmap of grad" else x, names=PRODUCTS)
+  assert not [p for p in forward if "float32" in p[0]], forward
+  assert "float32" in [out for _, out in forward], forward
+  d = DERIVATIVES[derivative]
+  products = _dots(d(cast), w, x, names=PRODUCTS)
+  assert len(products) > len(forward), products
+  wide = [p for p in products if "float32" in p[0]]
+  assert not wide, f"products reading float32 operands: {wide}"
+  # The values: the float32 derivative within the half dtype's error.
+  want, got = d(fn)(w, x), d(cast)(w, x)
+  assert got.dtype == jnp.float32
+  tol = 8 * float(jnp.finfo(half).eps) * float(jnp.max(jnp.abs(want)))
+  np.testing.assert_allclose(got, want, atol=tol)

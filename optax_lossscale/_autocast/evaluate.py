@@ -11,12 +11,14 @@ inputs by its list (:func:`_first_order`); matmuls go through
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from optax_lossscale._autocast.rules import (
   CUSTOM_CALLS,
@@ -216,7 +218,8 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   type; a result type the function set narrower than its operands
   (``preferred_element_type=bfloat16``) is kept, its float32 operands cast
   to the half dtype. Otherwise the result is half, or float32 where every
-  reader reads float32 (attention's logits before the softmax). A recipe
+  reader reads float32 (attention's logits before the softmax; its
+  derivatives half products, :func:`_half_derivatives`). A recipe
   (``matmul=``) runs every ``dot_general`` of 16- or 32-bit real operands
   it does not keep, its result in the dtype just chosen: kept by structural
   role or module path (:func:`_block_matmul.kept`), or (where the recipe's
@@ -249,8 +252,11 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   if "preferred_element_type" not in eqn.params:
     params = {}
   given, invals = invals, [cast(x, d) for x, d in zip(invals, targets, strict=True)]
+  plain = _jaxpr.bind
+  if params.get("preferred_element_type") == _F32 and precision == jnp.dtype(half).name:
+    plain = functools.partial(_half_derivatives, half=jnp.dtype(half))
   if not matmul:
-    return _jaxpr.bind(eqn, invals, params)
+    return plain(eqn, invals, params)
   out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
   dims = eqn.params["dimension_numbers"]
   recipe, why = _recipe(walk.rules.float8, walk, _kind(eqn, flags, walk))
@@ -264,11 +270,50 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   _note(eqn, flags, recipe, precision, out_dtype, walk, why, operands)
   sharding = eqn.params.get("out_sharding")
   if recipe is None:
-    return _jaxpr.bind(eqn, invals, params)
+    return plain(eqn, invals, params)
   dot = _float8.dot_general
   if not isinstance(recipe, _float8.Float8Matmul):
     dot = _block_matmul.dot_general
   return [dot(*operands, dims, out_dtype, recipe, out_sharding=sharding)]
+
+
+def _half_derivatives(eqn, invals, params, *, half):
+  """A product of half operands with a float32 result whose derivatives are
+  half products: ``eqn`` bound with ``params`` (a float32
+  ``preferred_element_type``), its tangent (and so, transposed, its
+  cotangent) computed with the result type ``half``.
+
+  JAX's own rule would multiply the float32 cotangent by the half operand,
+  which runs in float32 (on GPUs two float32 GEMMs a matmul in the
+  backward pass); here the cotangent is rounded to ``half`` once and both
+  backward products run in ``half`` with float32 accumulation, as every
+  other matmul of the compute dtype does. The product is bilinear in its
+  two floating operands (matmuls, convolutions), which the tangent uses.
+  """
+  floats = [i for i, x in enumerate(invals) if is_float(x.dtype)]
+  if len(floats) != 2:
+    return _jaxpr.bind(eqn, invals, params)
+  tangent_params = dict(params, preferred_element_type=half)
+
+  @jax.custom_jvp
+  def product(*xs):
+    return _jaxpr.bind(eqn, list(xs), params)[0]
+
+  def jvp(primals, tangents):
+    out = product(*primals)
+    terms = []
+    for i in floats:
+      if isinstance(tangents[i], SymbolicZero):
+        continue
+      xs = list(primals)
+      xs[i] = tangents[i]
+      terms.append(cast(_jaxpr.bind(eqn, xs, tangent_params)[0], out.dtype))
+    if not terms:
+      return out, jnp.zeros_like(out)
+    return out, functools.reduce(jnp.add, terms)
+
+  product.defjvp(jvp, symbolic_zeros=True)
+  return [product(*invals)]
 
 
 def _recipe(recipe, walk: Walk, kind: str):

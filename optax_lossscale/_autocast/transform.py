@@ -99,7 +99,8 @@ def autocast(
   to float32, reached through the ops that follow their inputs' dtype; not
   another matmul, a loop or the function's output) reads half inputs and
   accumulates and returns float32 itself: attention's logits before the
-  softmax never exist in half, so they cannot overflow. Every spelling of a
+  softmax never exist in half, so they cannot overflow; its derivatives
+  are half products (the float32 cotangent rounded to half once). Every spelling of a
   square runs by the rule of ``square``. Literals, weakly-typed values and
   0-d scalars follow the other inputs. Arguments that are not JAX or NumPy
   arrays (bools, strings, functions, Python numbers) are static, as
