@@ -232,3 +232,24 @@ def test_zeros_and_non_finite_blocks(stochastic):
   assert not bool(jnp.any(jnp.isfinite(back[256:])))
   inf = q.encode(jnp.ones(256).at[3].set(-jnp.inf), 256, stochastic=stochastic)
   assert np.isinf(inf.scales[0])
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one pass", "min and max"])
+def test_a_nan_counts_as_an_infinity_in_both_extremes(one_pass):
+  # No NaN reaches a reduction: XLA's min and max keep one, Pallas' Triton
+  # lowering (a GPU kernel) drops it, and both must give these blocks.
+  b = jnp.asarray(
+    [
+      [-3.0, np.nan, 1.0, 2.0],  # a NaN among negative and positive values
+      [np.nan, np.nan, np.nan, np.nan],
+      [0.5, 0.25, np.nan, 1.0],  # non-negative but for the NaN
+      [-1.0, -2.0, 0.0, 4.0],  # finite: as it is
+    ],
+    jnp.float32,
+  )
+  up = jnp.where(jnp.isnan(b), jnp.inf, b)
+  (lo, hi), (lo_up, hi_up) = (codec.block_extremes([x], one_pass)[0] for x in (b, up))
+  np.testing.assert_array_equal(lo, lo_up)
+  np.testing.assert_array_equal(hi, hi_up)
+  np.testing.assert_array_equal(lo, [-3.0, np.inf, 0.25, -2.0])
+  np.testing.assert_array_equal(hi, [np.inf, np.inf, np.inf, 4.0])

@@ -415,20 +415,18 @@ def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLe
 
 def block_extremes(bs: list, one_pass: bool = True) -> list:
   """Each block's least and largest value, ``(lo, hi)`` for each of ``bs``
-  (float32, blocked along the last axis, of one shape): the largest counts
-  NaN as an infinity (XLA's max reductions may drop a NaN); the largest
-  magnitude follows from the two. ``one_pass``: one variadic reduction
-  reads every array once (what XLA fuses with what the arrays are computed
-  from: a gradient, Adam's two moments); else a min and a max reduction
-  each (what Pallas' Triton lowering has)."""
+  (float32, blocked along the last axis, of one shape), both counting NaN
+  as an infinity: no NaN reaches a reduction, whose NaN rule differs by
+  backend (XLA's min and max keep a NaN, Pallas' Triton lowering drops it);
+  the largest magnitude follows from the two. ``one_pass``: one variadic
+  reduction reads every array once (what XLA fuses with what the arrays
+  are computed from: a gradient, Adam's two moments); else a min and a max
+  reduction each (what Pallas' Triton lowering has)."""
   nan_up = [jnp.where(jnp.isnan(b), jnp.inf, b) for b in bs]
   if not one_pass:
-    return [
-      (jnp.min(b, axis=-1), jnp.max(u, axis=-1))
-      for b, u in zip(bs, nan_up, strict=True)
-    ]
+    return [(jnp.min(u, axis=-1), jnp.max(u, axis=-1)) for u in nan_up]
   out = jax.lax.reduce(
-    tuple(v for pair in zip(bs, nan_up, strict=True) for v in pair),
+    tuple(v for u in nan_up for v in (u, u)),
     (np.float32(np.inf), np.float32(-np.inf)) * len(bs),
     lambda x, y: tuple(
       (jnp.minimum if k % 2 == 0 else jnp.maximum)(a, c)
