@@ -91,9 +91,11 @@ def adam_8bit(
   transformation, decodes the whole state, runs it and encodes the result.
 
   ``kernel="pallas"`` runs that step as a Pallas kernel, one program a tile
-  of whole blocks, on a GPU; on another backend Pallas' interpreter runs it
-  (slowly: for tests). A leaf sharded explicitly (JAX's explicit
-  sharding) is computed as :func:`quantize_state` computes it, and a
+  of whole blocks, on a GPU through Pallas' Triton lowering (float32
+  moments only: bfloat16 ones are a ``ValueError`` there); on another
+  backend Pallas' interpreter runs it (slowly: for tests). A leaf sharded
+  explicitly (JAX's explicit sharding) is computed as
+  :func:`quantize_state` computes it, and a
   custom kernel is not partitioned by XLA's automatic sharding: use
   ``kernel="pallas"`` on one device or inside ``shard_map``. Measured in
   BENCHMARKS.md ("8-bit state").
@@ -314,6 +316,14 @@ def _fused_leaf(
       out += [codes.astype(jnp.uint8), scales]
     return out
 
+  if kernel == "pallas" and jax.default_backend() == "gpu":
+    narrow = sorted({jnp.dtype(x.dtype).name for x in (m_new, v_new)} - {"float32"})
+    if narrow:  # Triton's lowering refuses their arithmetic deep inside
+      raise ValueError(
+        f"adam_8bit(kernel='pallas') on a GPU keeps float32 moments only, got "
+        f"{', '.join(narrow)} (Pallas' Triton lowering has no arithmetic on "
+        "them); use kernel='xla'."
+      )
   if kernel == "xla":
     u, mc, ms, vc, vs = body(scalars, *blocks, first_row=0)
   else:  # the kernel's arrays: blocks as rows, scales as a vector
