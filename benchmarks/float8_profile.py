@@ -30,7 +30,8 @@ One command, meant for one GPU (H100 class), minutes long, that writes
 A size that raises is reported as an error line; the rest of the report is
 still made. The report is rewritten after each size, so a run cut short
 keeps what it finished. The traces are kept beside the report
-(``<out>_traces/``; open one in https://ui.perfetto.dev).
+(``<out>_traces/``; open one in https://ui.perfetto.dev), each with its
+compiled step's HLO text (``*.hlo.txt.gz``), which names its kernels.
 
 ``--small`` runs tiny sizes (d_model 32, 48 and 64; a few calls; XLA's
 backend optimisation level 0), every code path in well under a minute on a
@@ -299,7 +300,12 @@ def measure_size(size, args, trace_stem):
       "spread": max(r["round_medians_s"]) / r["median_s"] - 1,
       "compile_s": r["compile_s"],
     }
-    program = Program(r["compiled"].as_text())
+    hlo = r["compiled"].as_text()
+    program = Program(hlo)
+    # Beside the trace: its kernels are named by the fusions of this text.
+    os.makedirs(os.path.dirname(trace_stem), exist_ok=True)
+    with gzip.open(f"{trace_stem}_{name}.hlo.txt.gz", "wt") as f:
+      f.write(hlo)
     out["passes"] = program.passes()
     out["float8_passes"] = program.float8_passes()
     out["cublas_f8"] = sum("$f8" in i.target for i in program.instructions.values())

@@ -15,8 +15,9 @@ leaves (``leaves.py``'s tree), the designs tried (``designs.py``), the record's 
 (``telemetry.py``), error paths (``error_paths.py``), block-scaled memory
 (``block_memory.py``), low-precision parameters (``bf16_params.py``), the
 8-bit optimizer state (``quantize_state.py``), and on a GPU the GPU report
-(``gpu_report.py``). ``probes.py``, the investigation's measurements, is
-run by hand (BENCHMARKS.md's log names its commands).
+(``gpu_report.py``) and float8 against bfloat16 (``float8_profile.py``).
+``probes.py``, the investigation's measurements, is run by hand
+(BENCHMARKS.md's log names its commands).
 
 Each script runs with this checkout first on ``PYTHONPATH`` (the package
 it imports is printed, and one from outside the checkout refused), so a
@@ -36,14 +37,15 @@ commit::
 ``--only KEYS --write PATH`` fills only those questions' blocks (the
 header and the other blocks stay). ``--report KEY=PATH`` takes a question's
 report from a file made on another machine instead of running its script
-(for a question whose report names its own commit and device, the GPU
-report's): the GPU report, made where a GPU is lent (``python
+(for a question whose report names its own commit and device): the GPU
+report or the float8 profile, made where a GPU is lent (``python
 benchmarks/gpu_report.py --out DIR/gpu_report.md``) and written here with
 ``--only gpu_report --report gpu_report=DIR/gpu_report.md --write
 BENCHMARKS.md``. Its block names the report's own command, commit and
-device, and holds the report's tables (:func:`digest`: the benchmark
-sections, without the environment, the test run and the collapsed
-listings, which stay in the report).
+device, and holds the report's measurements (:func:`digest`: the
+transformer section of the GPU report, the tokens/s and time split of the
+profile, without the environment, the test run, the collapsed listings and
+the paragraphs on method, which stay in the report).
 
 A tree with uncommitted changes to tracked files is refused (its numbers
 would belong to no commit) unless ``--allow-dirty`` (which also notes,
@@ -130,9 +132,14 @@ QUESTIONS = {
     ["quantize_state.py", "--quick"],
   ),
   "gpu_report": ("GPU report", ["gpu_report.py"], ["gpu_report.py", "--small"]),
+  "float8_profile": (
+    "float8 against bfloat16 on a GPU",
+    ["float8_profile.py"],
+    ["float8_profile.py", "--small"],
+  ),
 }
 #: Run only where the machine's first device is a GPU (unless named in --only).
-GPU_ONLY = {"gpu_report"}
+GPU_ONLY = {"gpu_report", "float8_profile"}
 MACHINE_LINE = re.compile(r"^Machine: (.*)\.$", re.M)
 BLOCK = re.compile(r"(<!-- run_all: (\w+) -->\n)(.*?)(<!-- /run_all -->)", re.S)
 
@@ -211,15 +218,21 @@ def question(key, quick, out_dir, timeout):
 
 
 #: The report's sections that a block holds, by question (default: all).
-DIGEST_SECTIONS = {"gpu_report": ("3.", "4.")}
+DIGEST_SECTIONS = {"gpu_report": ("4.",), "float8_profile": ("2.", "3.")}
 
 
 #: Lines of a digested report that say how it was made rather than what it
 #: measured (the report keeps them): a section's call, a list of the rows'
-#: code, the per-recipe count of the forward pass's matmuls.
+#: code (not a profile's list of sizes), the per-recipe count of the forward
+#: pass's matmuls, the paragraphs that say how the CPU blocks' tables of the
+#: same scripts and the float8 profile's columns were measured (the report
+#: says it whole).
 DIGEST_DROP = re.compile(
-  r"^(`[\w.]+\(.*\)`.*|- .*|\S+ matmuls of the forward pass .*|"
-  r"(Section|Total) wall time: .*)\n",
+  r"^(`[\w.]+\(.*\)`.*|- (?!d_model ).*|\S+ matmuls of the forward pass .*|"
+  r"(Section|Total) wall time: .*|Left out \(package not installed\): .*|"
+  r"(Update step \(update \+ apply|The steps of a table are called|"
+  r"The GPU report's decoder|Both precisions are trained|Each precision is timed|"
+  r"A `jax\.profiler` trace of) .*)\n",
   re.M,
 )
 
