@@ -98,7 +98,9 @@ SMALL = {
 }
 #: The recipe's passes over memory per float8 matmul of a train step: an
 #: amax and a cast of each forward operand and of the output gradient; the
-#: backward's two products reuse the saved float8 operands.
+#: backward's two products reuse the saved float8 operands. No transposed
+#: copy: where a GEMM reads an operand along another axis (a Hopper float8
+#: GEMM reads both along their contracted axis), the cast can write it so.
 MINIMUM = {"amax": 3, "cast": 3, "transpose/copy": 0}
 
 #: Kernels known by their names where no instruction of the step names them:
@@ -522,7 +524,10 @@ def report(args, argv, env_lines, sizes, results, t_start, backend):
     "The compiled float8 step's passes over memory (`_hlo.Program."
     "float8_passes`) against the recipe's minimum per float8 matmul: an amax "
     "and a cast of each forward operand and of the output gradient, and no "
-    "transposed copy:",
+    "transposed copy (a cast can write the layout a GEMM reads; a Hopper "
+    "float8 GEMM reads both operands along their contracted axis, so without "
+    "that a matmul needs 3: the weight's forward, the input's and the output "
+    "gradient's for the weight gradient):",
     "",
     *passes_lines(sizes, results),
   ]

@@ -214,3 +214,49 @@ def test_a_scans_constants_and_carry_are_counted_on_this_jax():
   consts, carry = _jaxpr.scan_counts(scan.params)
   assert (consts, carry) == (1, 2), scan.params.keys()
   assert len(scan.invars) == consts + carry + 1
+
+
+MIN_SIZE_RECIPES = {
+  "float8": lambda n: ols.Float8Matmul(min_size=n),
+  "mxfp8": lambda n: ols.MXFP8Matmul(min_size=n),
+  "nvfp4": lambda n: ols.NVFP4Matmul(min_size=n, attention=True, keep=()),
+}
+
+
+@pytest.mark.parametrize(
+  "min_size, weights_kept, attention_kept",
+  # The block's weight matmuls: M = 8 tokens, K = N = 32; attention's two
+  # products: M = 4 queries, K and N 16 and 4 (the least dimension is 4).
+  [
+    (0, False, False),
+    (4, False, False),
+    (5, False, True),
+    (8, False, True),
+    (9, True, True),
+  ],
+)
+@pytest.mark.parametrize("recipe", MIN_SIZE_RECIPES)
+def test_min_size_keeps_the_matmuls_with_a_smaller_dimension(
+  recipe, min_size, weights_kept, attention_kept
+):
+  f = _block(_einsum_attention)
+  matmul = MIN_SIZE_RECIPES[recipe](min_size)
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=matmul)
+  found = ols.list_matmuls(fast, X)
+  want = [weights_kept] * 3 + [attention_kept] * 2
+  assert [m.kept for m in found] == ["small" if k else None for k in want], found
+  assert [m.precision for m in found] == ["bfloat16" if k else recipe for k in want], (
+    found
+  )
+  if weights_kept and attention_kept:  # every matmul as autocast alone runs it
+    half = ols.autocast(f, compute_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(fast(X)), np.asarray(half(X)))
+    g = jax.grad(lambda x: fast(x).sum())(X)
+    np.testing.assert_array_equal(g, jax.grad(lambda x: half(x).sum())(X))
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8", None])
+@pytest.mark.parametrize("recipe", MIN_SIZE_RECIPES)
+def test_min_size_must_be_a_non_negative_int(recipe, bad):
+  with pytest.raises(ValueError, match="`min_size` must be a non-negative int"):
+    MIN_SIZE_RECIPES[recipe](bad)

@@ -392,12 +392,13 @@ def test_run_all_takes_a_report_made_elsewhere(run_all, tmp_path):
   assert failure is None and shown == "python benchmarks/gpu_report.py --out r.md"
   assert block.startswith(
     "Made by `python benchmarks/gpu_report.py --out r.md` at commit `abc1234` on "
-    "NVIDIA H200.\n\n### 3. bench.py tables\n"
+    "NVIDIA H200.\n\n### 4. Transformer\n"
   )
-  # The tables of sections 3 and 4; not the environment, the tests, the
+  # The tables of section 4 (the benchmarks page holds the transformer; the
+  # bench.py tables stay in the report); not the environment, the tests, the
   # listings, the wall times, how a section was called, the recipes' code
   # or the count of each recipe's matmuls.
-  assert "| adam | 1 ms |" in block and "| float8 | 2 ms |" in block
+  assert "| float8 | 2 ms |" in block and "| adam | 1 ms |" not in block
   gone_lines = ("headline(", "- float8:", "matmuls of the forward pass")
   for gone in (
     "| passed |",
@@ -411,6 +412,75 @@ def test_run_all_takes_a_report_made_elsewhere(run_all, tmp_path):
   assert "uncommitted" in run_all.from_report("gpu_report", str(path), False)[2]
   path.write_text(_REPORT.replace("| device kind | NVIDIA H200 |\n", ""))
   assert run_all.from_report("gpu_report", str(path), False)[2]
+
+
+_PROFILE = """# float8 against bfloat16: tokens/s and where the time goes
+
+Made by `python benchmarks/float8_profile.py --out p.md`.
+
+## 1. Environment
+
+| | |
+| --- | --- |
+| device kind | NVIDIA H200 |
+| commit | abc1234 |
+
+## 2. Tokens/s
+
+The GPU report's decoder (float32 parameters) at each size.
+
+Both precisions are trained with `optax.adam(1e-3)`.
+
+- bfloat16: `ols.autocast(loss_fn, compute_dtype=jnp.bfloat16)`
+
+| d_model | float8/bfloat16 |
+| ---: | ---: |
+| 64 | **1.1** |
+
+## 3. Where the time goes
+
+A `jax.profiler` trace of 3 steps of each precision.
+
+| d_model | precision | GEMM, ms |
+| --- | --- | ---: |
+| 64 | float8 | 1.0 |
+
+- d_model 64: 13 float8 matmuls in the forward pass; amax passes 29.
+
+<details><summary>kernels</summary>
+
+```
+a long listing
+```
+</details>
+
+Total wall time: 9.0 s.
+"""
+
+
+def test_run_all_takes_the_float8_profile_s_measurements(run_all, tmp_path):
+  path = tmp_path / "float8_profile.md"
+  path.write_text(_PROFILE)
+  shown, block, failure = run_all.from_report("float8_profile", str(path), False)
+  assert failure is None and shown == "python benchmarks/float8_profile.py --out p.md"
+  assert block.startswith(
+    "Made by `python benchmarks/float8_profile.py --out p.md` at commit `abc1234` on "
+    "NVIDIA H200.\n\n### 2. Tokens/s\n"
+  )
+  # Its two tables and the per-size passes; not how it measured (the report
+  # says so), the recipes' code, the listings or the environment.
+  for kept in ("| 64 | **1.1** |", "| 64 | float8 | 1.0 |", "- d_model 64: 13 float8"):
+    assert kept in block, kept
+  for gone in (
+    "The GPU report's decoder",
+    "Both precisions are trained",
+    "A `jax.profiler` trace",
+    "- bfloat16:",
+    "a long listing",
+    "device kind",
+    "wall time",
+  ):
+    assert gone not in block, gone
 
 
 def _git(repo, *args):
@@ -476,6 +546,7 @@ def test_run_all_checks_each_report_names_the_run_commit(run_all):
     "bf16_params",
     "quantize_state",
     "gpu_report",
+    "float8_profile",
   ]
   for _, full, quick in run_all.QUESTIONS.values():
     assert os.path.isfile(os.path.join(_BENCH, full[0])) and quick[0] == full[0]

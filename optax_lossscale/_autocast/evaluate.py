@@ -259,7 +259,12 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
     return plain(eqn, invals, params)
   out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
   dims = eqn.params["dimension_numbers"]
-  recipe, why = _recipe(walk.rules.float8, walk, _kind(eqn, flags, walk))
+  recipe, why = _recipe(
+    walk.rules.float8,
+    walk,
+    _kind(eqn, flags, walk),
+    _float8.device_dims(*invals, dims),
+  )
   recipe = recipe if min(sizes) >= 2 else None
   # A recipe quantises the operands as the matmul receives them, not their
   # copies in the compute dtype: a float32 weight or activation from
@@ -316,16 +321,18 @@ def _half_derivatives(eqn, invals, params, *, half):
   return [product(*invals)]
 
 
-def _recipe(recipe, walk: Walk, kind: str):
+def _recipe(recipe, walk: Walk, kind: str, dims: tuple[int, int, int]):
   """``(the recipe a matmul runs in, why not)``: ``(None, reason)`` keeps it
-  in the dtypes just chosen, the reason :func:`_block_matmul.kept`'s or
-  ``"attention"``; ``(None, None)`` without a recipe."""
+  in the dtypes just chosen, the reason :func:`_block_matmul.kept`'s (given
+  the matmul's ``(M, K, N)``, ``dims``) or ``"attention"``; ``(None, None)``
+  without a recipe."""
   if recipe is None:
     return None, None
   if kind == "attention" and not recipe.attention:
     return None, "attention"
   found = walk.roles.get(walk.key)
-  why = _block_matmul.kept(recipe, walk.module_path, found.roles if found else ())
+  roles = found.roles if found else ()
+  why = _block_matmul.kept(recipe, walk.module_path, roles, dims)
   return (None, why) if why is not None else (recipe, None)
 
 

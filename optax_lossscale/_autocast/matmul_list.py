@@ -63,7 +63,8 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
     matmul with a table the function gathers from, both found by structure,
     the recipe's ``keep``; ``"exclude <pattern>"`` or ``"exclude"``: the
     recipe's ``exclude``; ``"attention"``: the recipe's ``attention`` is
-    off), ``None`` if it runs in the recipe or there is none;
+    off; ``"small"``: an M, K or N below the recipe's ``min_size``),
+    ``None`` if it runs in the recipe or there is none;
     ``quantized_from``, the dtypes of the two operands the recipe quantises
     (``("float32", "float32")`` for a float32 activation and weight: the
     values themselves, not their copies in the compute dtype; a

@@ -159,11 +159,12 @@ def autocast(
     >>> jaxpr = jax.make_jaxpr(g)(jnp.ones((3, 2)), jnp.ones((4, 3)))
     >>> body = jaxpr.eqns[0].params["jaxpr"]  # the rewritten function, jitted
     >>> [(e.primitive.name, e.outvars[0].aval.dtype.name) for e in body.eqns
-    ...  if e.primitive.name in ("dot_general", "exp")]
-    [('dot_general', 'float16'), ('dot_general', 'float32'), ('exp', 'float32')]
+    ...  if e.primitive.name in ("dot_general", "custom_jvp_call", "exp")]
+    [('dot_general', 'float16'), ('custom_jvp_call', 'float32'), ('exp', 'float32')]
 
     The first matmul feeds ``tanh`` and another matmul: half. The second is
-    read by ``exp`` alone: float32 from its half inputs.
+    read by ``exp`` alone: float32 from its half inputs, inside a
+    ``custom_jvp`` whose derivatives are half products.
   """
   half = _dtypes.default_half_dtype() if compute_dtype is None else compute_dtype
   rules = Rules(half, allow, deny, infer, clear, matmul)

@@ -85,6 +85,16 @@ def _check_exclude(exclude: Any) -> Any:
   return tuple(exclude)
 
 
+def check_min_size(recipe: Any) -> None:
+  """A recipe's ``min_size``: a non-negative int."""
+  size = recipe.min_size
+  if isinstance(size, (bool, np.bool_)) or not isinstance(size, (int, np.integer)):
+    raise ValueError(f"`min_size` must be a non-negative int, got {size!r}.")
+  if size < 0:
+    raise ValueError(f"`min_size` must be a non-negative int, got {size!r}.")
+  object.__setattr__(recipe, "min_size", int(size))
+
+
 def _check_native(recipe: Any) -> None:
   native = recipe.native
   if native is not None and not isinstance(native, (bool, np.bool_)):
@@ -125,18 +135,22 @@ class MXFP8Matmul:
     attention: whether attention's matmuls run in the recipe too: batched
       products (``"bqhd,bkhd->bhqk"``) of two values the function computed,
       recognised by that structure, however they are written.
+    min_size: matmuls with an M, K or N below it kept in the compute
+      dtype, as :class:`~optax_lossscale.Float8Matmul`'s; 0 keeps none.
   """
 
   exclude: Any = ()
   native: bool | None = None
   attention: bool = True
   keep: tuple = ()
+  min_size: int = 0
   fmt: ClassVar[str] = "mxfp8"
 
   def __post_init__(self):
     _check_native(self)
     _check_bool(self, "attention")
     _check_keep(self)
+    check_min_size(self)
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
@@ -167,6 +181,7 @@ class NVFP4Matmul:
       the GEMM's float32 result, as a native kernel's epilogue does.
     attention: as :class:`MXFP8Matmul`'s; off by default: the NVFP4 recipe
       keeps attention's matmuls in the compute dtype.
+    min_size: as :class:`MXFP8Matmul`'s.
   """
 
   random_hadamard: bool = True
@@ -177,6 +192,7 @@ class NVFP4Matmul:
   native: bool | None = None
   attention: bool = False
   keep: tuple = NVFP4_KEEP
+  min_size: int = 0
   fmt: ClassVar[str] = "nvfp4"
 
   def __post_init__(self):
@@ -186,6 +202,7 @@ class NVFP4Matmul:
     if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
       raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
     _check_keep(self)
+    check_min_size(self)
     object.__setattr__(self, "exclude", _check_exclude(self.exclude))
 
 
@@ -201,17 +218,26 @@ def excluded(recipe: Any, path: str) -> bool:
   return kept(recipe, path) is not None
 
 
-def kept(recipe: Any, path: str, roles=()) -> str | None:
+def kept(recipe: Any, path: str, roles=(), dims=None) -> str | None:
   """Why ``recipe`` keeps the matmul at module path ``path`` (structural
-  ``roles``) in the compute dtype: ``"output"``, ``"embedding"``,
-  ``"exclude <pattern>"``, ``"exclude"`` (a callable's); ``None`` if not."""
+  ``roles``; ``dims``, its ``(M, K, N)``) in the compute dtype:
+  ``"output"``, ``"embedding"``, ``"exclude <pattern>"``, ``"exclude"``
+  (a callable's), ``"small"`` (a dimension below ``recipe.min_size``);
+  ``None`` if not."""
   role = next((r for r in getattr(recipe, "keep", ()) if r in roles), None)
   if role is not None:
     return role
   exclude = getattr(recipe, "exclude", ())
   if callable(exclude):
-    return "exclude" if exclude(path) else None
-  return next((f"exclude {p}" for p in exclude if re.search(p, path)), None)
+    if exclude(path):
+      return "exclude"
+  else:
+    found = next((f"exclude {p}" for p in exclude if re.search(p, path)), None)
+    if found is not None:
+      return found
+  if dims is not None and min(dims) < recipe.min_size:
+    return "small"
+  return None
 
 
 def _hadamard16(seed: int = 0x5EED) -> np.ndarray:

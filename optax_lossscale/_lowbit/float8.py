@@ -92,12 +92,17 @@ class Float8Matmul:
     attention: whether attention's matmuls run in float8 too: batched
       products of two values the function computed (``"bqhd,bkhd->bhqk"``),
       recognised by that structure, however they are written.
+    min_size: a matmul whose M, K or N (:func:`gemm_dims`, of one device's
+      part) is below it stays in the compute dtype, listed as kept
+      ``"small"``: its float8 GEMM saves less than quantising its operands
+      costs. 0 (the default) keeps none.
   """
 
   forward_dtype: Any = jnp.float8_e4m3fn
   backward_dtype: Any = jnp.float8_e5m2
   power_of_two: bool = False
   attention: bool = True
+  min_size: int = 0
   fmt: ClassVar[str] = "float8"
 
   def __post_init__(self):
@@ -107,6 +112,7 @@ class Float8Matmul:
     for field in ("power_of_two", "attention"):
       if not isinstance(getattr(self, field), (bool, np.bool_)):
         raise ValueError(f"`{field}` must be a bool, got {getattr(self, field)!r}.")
+    _block_matmul.check_min_size(self)
 
 
 def as_recipe(matmul: Any) -> Any:
@@ -192,20 +198,32 @@ def _product_dtype(out_dtype, exact_scale: bool) -> jnp.dtype:
 SMALL_DOT = 1000
 
 
-def small(lhs_shape, rhs_shape, dimension_numbers) -> bool:
-  """Whether XLA's GPU backend may multiply this float8 dot in float16.
-
-  ``(M + N) * K`` below :data:`SMALL_DOT` (M and N: the product of each
-  operand's free axes, K of the contracting axes, batch axes not counted,
-  as XLA counts), or no operand with a free axis longer than 1 (a dot
-  cuBLAS does not take).
-  """
+def gemm_dims(lhs_shape, rhs_shape, dimension_numbers) -> tuple[int, int, int]:
+  """``(M, K, N)`` of a dot: the products of the left operand's free axes,
+  of the contracting axes and of the right operand's free axes (batch axes
+  not counted, as XLA counts)."""
   (lc, rc), (lb, rb) = dimension_numbers
   k = math.prod(lhs_shape[d] for d in lc)
   m, n = (
     math.prod(d for i, d in enumerate(shape) if i not in c and i not in b)
     for shape, c, b in ((lhs_shape, lc, lb), (rhs_shape, rc, rb))
   )
+  return m, k, n
+
+
+def device_dims(lhs, rhs, dimension_numbers) -> tuple[int, int, int]:
+  """:func:`gemm_dims` of the product one device computes of ``lhs`` and
+  ``rhs`` (arrays or tracers: their parts under explicit sharding)."""
+  return gemm_dims(_device_shape(lhs), _device_shape(rhs), dimension_numbers)
+
+
+def small(lhs_shape, rhs_shape, dimension_numbers) -> bool:
+  """Whether XLA's GPU backend may multiply this float8 dot in float16.
+
+  ``(M + N) * K`` below :data:`SMALL_DOT` (:func:`gemm_dims`), or no
+  operand with a free axis longer than 1 (a dot cuBLAS does not take).
+  """
+  m, k, n = gemm_dims(lhs_shape, rhs_shape, dimension_numbers)
   return (m + n) * k < SMALL_DOT or (m == 1 and n == 1)
 
 

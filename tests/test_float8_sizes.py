@@ -1,0 +1,70 @@
+"""benchmarks/float8_sizes.py: its shapes, its break-even, its report."""
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+import report_tables
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+_BENCH = os.path.join(_ROOT, "benchmarks")
+_SCRIPT = os.path.join(_BENCH, "float8_sizes.py")
+
+
+def _module(name):
+  saved = list(sys.path)  # the script puts the repository's root first
+  sys.path.insert(0, _BENCH)
+  try:
+    return importlib.import_module(name)
+  finally:
+    sys.path[:] = saved
+
+
+sizes = _module("float8_sizes")
+
+
+def test_shapes_parse_and_bad_ones_are_refused():
+  assert sizes.parse_shapes("1:2:3,4:5:6") == [(1, 2, 3), (4, 5, 6)]
+  assert len(sizes.parse_shapes(sizes.SHAPES)) == 24
+  for bad in ("", "1:2", "1:2:0", "1:2:x", "1:2:3:4", "-1:2:3"):
+    with pytest.raises(ValueError):
+      sizes.parse_shapes(bad)
+
+
+@pytest.mark.parametrize(
+  "ratios, want",
+  [
+    # (shape, float8 speed-up): the least min(M, K, N) above which all win
+    ({(8, 64, 64): 0.5, (64, 64, 64): 1.2, (128, 128, 128): 1.5}, 64),
+    ({(8, 64, 64): 1.1, (64, 64, 64): 1.2}, 8),
+    ({(8, 64, 64): 1.1, (64, 64, 64): 0.9, (128, 128, 128): 1.5}, 128),
+    ({(64, 64, 64): 0.9, (128, 128, 128): 1.0}, None),  # equal is not faster
+  ],
+)
+def test_the_break_even_is_where_every_larger_shape_wins(ratios, want):
+  assert sizes.break_even({s: {"ratio": r} for s, r in ratios.items()}) == want
+
+
+@pytest.mark.integration
+def test_the_small_run_reports_each_shape(tmp_path):
+  out = tmp_path / "sizes.md"
+  proc = subprocess.run(
+    [sys.executable, _SCRIPT, "--small", "--out", str(out)],
+    capture_output=True,
+    text=True,
+    cwd=_ROOT,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  text = out.read_text()
+  assert "error" not in text
+  rows = report_tables.table(text, "| M | K | N |")
+  shapes = sizes.parse_shapes(sizes.SMALL["shapes"])
+  assert [tuple(int(c) for c in r[:3]) for r in rows] == shapes
+  for row in rows:
+    b, f = float(row[3]), float(row[4])
+    assert b > 0 and f > 0
+    assert report_tables.number(row[5]) == pytest.approx(b / f, rel=0.02)
+  assert "Least `min(M, K, N)` from which float8 was faster" in text
