@@ -216,3 +216,19 @@ def test_the_derivatives_of_a_float32_result_are_half_products(name, half, deriv
   assert got.dtype == jnp.float32
   tol = 8 * float(jnp.finfo(half).eps) * float(jnp.max(jnp.abs(want)))
   np.testing.assert_allclose(got, want, atol=tol)
+
+
+def test_a_remat_policy_still_saves_a_float32_result_product():
+  # Differentiated, the product is a dot_general, which dots_saveable saves:
+  # the backward pass does not compute it again.
+  def f(w, x):
+    policy = jax.checkpoint_policies.dots_saveable
+    h = jax.checkpoint(lambda x: jax.nn.log_softmax(x @ w), policy=policy)(x)
+    return -h[..., 0].mean()
+
+  w, x = jnp.ones((8, 32)), jnp.ones((4, 8))
+  for half in (jnp.bfloat16, jnp.float16):
+    grad = jax.grad(ols.autocast(f, compute_dtype=half))
+    # the forward product and the weight's gradient; no recomputation
+    assert len(_dots(grad, w, x)) == 2
+    assert not [p for p in _dots(grad, w, x) if "float32" in p[0]]

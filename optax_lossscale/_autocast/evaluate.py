@@ -305,7 +305,9 @@ def _half_derivatives(eqn, invals, params, *, half):
     return _jaxpr.bind(eqn, list(xs), params)[0]
 
   def jvp(primals, tangents):
-    out = product(*primals)
+    # The primal a plain product: differentiated, a dot_general to remat
+    # policies (``dots_saveable``), as JAX's own rule leaves it.
+    out = _jaxpr.bind(eqn, list(primals), params)[0]
     terms = []
     for i in floats:
       if isinstance(tangents[i], SymbolicZero):
