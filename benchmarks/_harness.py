@@ -17,9 +17,11 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import time
@@ -376,3 +378,67 @@ if __name__ == "__main__":  # the machine, as JSON (what run_all.py reads)
   import json
 
   print(json.dumps(machine()))
+
+
+def environment():
+  """``(facts, backend)``: what ran, as (name, value) rows, and JAX's backend."""
+  info = machine()
+  devices = jax.devices()
+  kinds = sorted({getattr(d, "device_kind", "?") for d in devices})
+  backend = jax.default_backend()
+  try:
+    platform_version = " ".join(str(devices[0].client.platform_version).split())
+  except Exception:  # noqa: BLE001
+    platform_version = "?"
+  dirty = subprocess.run(
+    ["git", "status", "--porcelain", "--untracked-files=no"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+  ).stdout.strip()
+  rows = [
+    ("device kind", ", ".join(kinds)),
+    ("device count", str(len(devices))),
+    ("backend", f"{backend} ({platform_version})"),
+  ]
+  if shutil.which("nvidia-smi"):
+    smi = subprocess.run(
+      [
+        "nvidia-smi",
+        "--query-gpu=name,driver_version,memory.total",
+        "--format=csv,noheader",
+      ],
+      capture_output=True,
+      text=True,
+    ).stdout.strip()
+    rows.append(("nvidia-smi", "; ".join(smi.splitlines()) or "?"))
+  rows += [(name, v) for name, v in info["versions"].items()]
+  rows += [
+    ("python", info["python"]),
+    ("host CPU", info["cpu"]),
+    (
+      "commit",
+      info["commit"].rstrip("+") + (" + uncommitted changes" if dirty else ""),
+    ),
+    ("tree", tree()),
+    (
+      "jax_default_matmul_precision",
+      jax.config.jax_default_matmul_precision or "unset (XLA's default)",
+    ),
+    (
+      "date",
+      datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    ),
+  ]
+  return rows, backend
+
+
+def environment_lines(rows):
+  lines = ["| | |", "| --- | --- |"]
+  lines += [f"| {name} | {value} |" for name, value in rows]
+  try:
+    text = jax.print_environment_info(return_string=True)
+    lines += ["", *details("jax.print_environment_info()", text)]
+  except Exception as e:  # noqa: BLE001
+    lines += ["", f"jax.print_environment_info() failed: `{error_text(e)}`"]
+  return lines

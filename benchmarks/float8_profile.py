@@ -586,7 +586,7 @@ def main(argv=None):
   os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
   if args.small:
     small_xla_flags()
-  from gpu_report import environment, environment_lines
+  from _harness import environment, environment_lines
 
   out = os.path.abspath(args.out)
   os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -17,7 +17,7 @@ on that GPU.
 
 ``--small`` runs tiny shapes (a few calls; XLA's backend optimisation
 level 0), every code path in seconds on a CPU (what
-``tests/test_float8_profile.py`` runs); its numbers measure nothing.
+``tests/test_float8_sizes.py`` runs); its numbers measure nothing.
 
 Run:  python benchmarks/float8_sizes.py [--small] [--out PATH]   (see --help)
 """
@@ -137,7 +137,7 @@ def measure(shapes, args):
 
 
 def report(args, argv, results, t_start):
-  from gpu_report import environment, environment_lines
+  from _harness import environment, environment_lines
 
   env_rows, _ = environment()
   command = " ".join(

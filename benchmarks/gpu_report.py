@@ -44,11 +44,8 @@ Run:  python benchmarks/gpu_report.py [--small] [--out PATH]   (see --help)
 
 from __future__ import annotations
 
-import datetime
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -64,12 +61,12 @@ import update_step  # noqa: E402
 from _harness import (  # noqa: E402
   SMALL_XLA_FLAGS,
   details,
+  environment,
+  environment_lines,
   error_text,
-  machine,
   small_defaults,
   small_parser,
   small_xla_flags,
-  tree,
 )
 from gpu_tests import run_tests, tests_lines, tests_workers  # noqa: E402
 from gpu_transformer import transformer  # noqa: E402
@@ -116,70 +113,6 @@ def _guarded(run):
       "",
       *details("traceback", traceback.format_exc()),
     ]
-
-
-def environment():
-  """``(facts, backend)``: what ran, as (name, value) rows, and JAX's backend."""
-  info = machine()
-  devices = jax.devices()
-  kinds = sorted({getattr(d, "device_kind", "?") for d in devices})
-  backend = jax.default_backend()
-  try:
-    platform_version = " ".join(str(devices[0].client.platform_version).split())
-  except Exception:  # noqa: BLE001
-    platform_version = "?"
-  dirty = subprocess.run(
-    ["git", "status", "--porcelain", "--untracked-files=no"],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-  ).stdout.strip()
-  rows = [
-    ("device kind", ", ".join(kinds)),
-    ("device count", str(len(devices))),
-    ("backend", f"{backend} ({platform_version})"),
-  ]
-  if shutil.which("nvidia-smi"):
-    smi = subprocess.run(
-      [
-        "nvidia-smi",
-        "--query-gpu=name,driver_version,memory.total",
-        "--format=csv,noheader",
-      ],
-      capture_output=True,
-      text=True,
-    ).stdout.strip()
-    rows.append(("nvidia-smi", "; ".join(smi.splitlines()) or "?"))
-  rows += [(name, v) for name, v in info["versions"].items()]
-  rows += [
-    ("python", info["python"]),
-    ("host CPU", info["cpu"]),
-    (
-      "commit",
-      info["commit"].rstrip("+") + (" + uncommitted changes" if dirty else ""),
-    ),
-    ("tree", tree()),
-    (
-      "jax_default_matmul_precision",
-      jax.config.jax_default_matmul_precision or "unset (XLA's default)",
-    ),
-    (
-      "date",
-      datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    ),
-  ]
-  return rows, backend
-
-
-def environment_lines(rows):
-  lines = ["| | |", "| --- | --- |"]
-  lines += [f"| {name} | {value} |" for name, value in rows]
-  try:
-    text = jax.print_environment_info(return_string=True)
-    lines += ["", *details("jax.print_environment_info()", text)]
-  except Exception as e:  # noqa: BLE001
-    lines += ["", f"jax.print_environment_info() failed: `{error_text(e)}`"]
-  return lines
 
 
 def bench_update_step(args):

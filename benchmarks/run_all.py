@@ -288,6 +288,8 @@ def from_report(key, path, allow_dirty):
       return shown, "", f"{path} was made with uncommitted changes"
     named = named or commit.group(1)
   body = digest(key, text)
+  if not body.strip():
+    return shown, "", f"{path} has none of sections {DIGEST_SECTIONS[key]}"
   head = f"Made by `{shown}` at commit `{named}` on {device.group(1)}."
   return shown, f"{head}\n\n{body}", None
 

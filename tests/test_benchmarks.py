@@ -412,6 +412,9 @@ def test_run_all_takes_a_report_made_elsewhere(run_all, tmp_path):
   assert "uncommitted" in run_all.from_report("gpu_report", str(path), False)[2]
   path.write_text(_REPORT.replace("| device kind | NVIDIA H200 |\n", ""))
   assert run_all.from_report("gpu_report", str(path), False)[2]
+  # A report cut short before the sections the page holds: refused, not empty.
+  path.write_text(_REPORT.format(commit="abc1234").split("## 4.")[0])
+  assert "none of sections" in run_all.from_report("gpu_report", str(path), False)[2]
 
 
 _PROFILE = """# float8 against bfloat16: tokens/s and where the time goes

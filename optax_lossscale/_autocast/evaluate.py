@@ -253,7 +253,11 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
     params = {}
   given, invals = invals, [cast(x, d) for x, d in zip(invals, targets, strict=True)]
   plain = _jaxpr.bind
-  if params.get("preferred_element_type") == _F32 and precision == jnp.dtype(half).name:
+  if (
+    params.get("preferred_element_type") == _F32
+    and precision == jnp.dtype(half).name
+    and jnp.finfo(half).minexp <= jnp.finfo(_F32).minexp  # float32's range
+  ):
     plain = functools.partial(_half_derivatives, half=jnp.dtype(half))
   if not matmul:
     return plain(eqn, invals, params)
@@ -292,8 +296,12 @@ def _half_derivatives(eqn, invals, params, *, half):
   which runs in float32 (on GPUs two float32 GEMMs a matmul in the
   backward pass); here the cotangent is rounded to ``half`` once and both
   backward products run in ``half`` with float32 accumulation, as every
-  other matmul of the compute dtype does. The product is bilinear in its
-  two floating operands (matmuls, convolutions), which the tangent uses.
+  other matmul of the compute dtype does. Only for a half dtype with
+  float32's range (bfloat16): rounding then costs precision, never range.
+  In float16 the softmax's share of an output layer's gradient, about
+  1 / (vocabulary x tokens), would underflow without a loss scale, so
+  there JAX's float32 products stay. The product is bilinear in its two
+  floating operands (matmuls, convolutions), which the tangent uses.
   """
   floats = [i for i, x in enumerate(invals) if is_float(x.dtype)]
   if len(floats) != 2:

@@ -99,10 +99,12 @@ def autocast(
   to float32, reached through the ops that follow their inputs' dtype; not
   another matmul, a loop or the function's output) reads half inputs and
   accumulates and returns float32 itself: attention's logits before the
-  softmax never exist in half, so they cannot overflow; its derivatives
-  are half products (the float32 cotangent rounded to half once). Every spelling of a
-  square runs by the rule of ``square``. Literals, weakly-typed values and
-  0-d scalars follow the other inputs. Arguments that are not JAX or NumPy
+  softmax never exist in half, so they cannot overflow. With bfloat16 its
+  derivatives are bfloat16 products (the float32 cotangent rounded once);
+  float16, whose range would lose small gradients, keeps them float32.
+  Every spelling of a square runs by the rule of ``square``. Literals,
+  weakly-typed values and 0-d scalars follow the other inputs. Arguments
+  that are not JAX or NumPy
   arrays (bools, strings, functions, Python numbers) are static, as
   ``equinox.filter_jit`` keeps them; like ``jax.jit``, the result is traced
   and compiled once per input signature.
@@ -159,12 +161,11 @@ def autocast(
     >>> jaxpr = jax.make_jaxpr(g)(jnp.ones((3, 2)), jnp.ones((4, 3)))
     >>> body = jaxpr.eqns[0].params["jaxpr"]  # the rewritten function, jitted
     >>> [(e.primitive.name, e.outvars[0].aval.dtype.name) for e in body.eqns
-    ...  if e.primitive.name in ("dot_general", "custom_jvp_call", "exp")]
-    [('dot_general', 'float16'), ('custom_jvp_call', 'float32'), ('exp', 'float32')]
+    ...  if e.primitive.name in ("dot_general", "exp")]
+    [('dot_general', 'float16'), ('dot_general', 'float32'), ('exp', 'float32')]
 
     The first matmul feeds ``tanh`` and another matmul: half. The second is
-    read by ``exp`` alone: float32 from its half inputs, inside a
-    ``custom_jvp`` whose derivatives are half products.
+    read by ``exp`` alone: float32 from its half inputs.
   """
   half = _dtypes.default_half_dtype() if compute_dtype is None else compute_dtype
   rules = Rules(half, allow, deny, infer, clear, matmul)

@@ -95,7 +95,9 @@ class Float8Matmul:
     min_size: a matmul whose M, K or N (:func:`gemm_dims`, of one device's
       part) is below it stays in the compute dtype, listed as kept
       ``"small"``: its float8 GEMM saves less than quantising its operands
-      costs. 0 (the default) keeps none.
+      costs. 0 (the default) keeps none. The shapes are those of the
+      function autocast wraps: under ``jax.vmap(ols.autocast(f))``, one
+      example's (wrap the batched function instead).
   """
 
   forward_dtype: Any = jnp.float8_e4m3fn
