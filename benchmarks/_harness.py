@@ -390,12 +390,7 @@ def environment():
     platform_version = " ".join(str(devices[0].client.platform_version).split())
   except Exception:  # noqa: BLE001
     platform_version = "?"
-  dirty = subprocess.run(
-    ["git", "status", "--porcelain", "--untracked-files=no"],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-  ).stdout.strip()
+  dirty = info["commit"].endswith("+")  # git_commit's mark of uncommitted changes
   rows = [
     ("device kind", ", ".join(kinds)),
     ("device count", str(len(devices))),

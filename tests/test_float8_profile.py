@@ -19,6 +19,7 @@ import re
 import subprocess
 import sys
 
+import benchmark_modules
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,22 +35,10 @@ _SCRIPT = os.path.join(_BENCH, "float8_profile.py")
 _DATA = pathlib.Path(__file__).parent / "data"
 
 
-def _module(name):
-  """A benchmarks module, imported with ``sys.path`` as it was kept after
-  (the scripts put the repository's root first, where its ``conftest.py``
-  would then shadow the tests' own for later imports)."""
-  saved = list(sys.path)
-  sys.path.insert(0, _BENCH)
-  try:
-    return importlib.import_module(name)
-  finally:
-    sys.path[:] = saved
-
-
-hlo = _module("_hlo")
-profile = _module("float8_profile")
-gpu_transformer = _module("gpu_transformer")
-train_step = _module("train_step")
+hlo = benchmark_modules.load("_hlo")
+profile = benchmark_modules.load("float8_profile")
+gpu_transformer = benchmark_modules.load("gpu_transformer")
+train_step = benchmark_modules.load("train_step")
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam
 

@@ -1,10 +1,10 @@
 """benchmarks/float8_sizes.py: its shapes, its break-even, its report."""
 
-import importlib
 import os
 import subprocess
 import sys
 
+import benchmark_modules
 import pytest
 import report_tables
 
@@ -13,16 +13,7 @@ _BENCH = os.path.join(_ROOT, "benchmarks")
 _SCRIPT = os.path.join(_BENCH, "float8_sizes.py")
 
 
-def _module(name):
-  saved = list(sys.path)  # the script puts the repository's root first
-  sys.path.insert(0, _BENCH)
-  try:
-    return importlib.import_module(name)
-  finally:
-    sys.path[:] = saved
-
-
-sizes = _module("float8_sizes")
+sizes = benchmark_modules.load("float8_sizes")
 
 
 def test_shapes_parse_and_bad_ones_are_refused():
