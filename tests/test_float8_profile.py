@@ -13,11 +13,8 @@ at today's counts against the recipe's minimum. The script itself runs
 import gzip
 import importlib
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import benchmark_modules
 import jax
@@ -29,9 +26,6 @@ import versions
 
 import optax_lossscale as ols
 
-_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-_BENCH = os.path.join(_ROOT, "benchmarks")
-_SCRIPT = os.path.join(_BENCH, "float8_profile.py")
 _DATA = pathlib.Path(__file__).parent / "data"
 
 
@@ -439,15 +433,7 @@ needs_flax = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def small_report(tmp_path_factory):
   out = tmp_path_factory.mktemp("float8_profile") / "report.md"
-  proc = subprocess.run(
-    [sys.executable, _SCRIPT, "--small", "--out", str(out)],
-    capture_output=True,
-    text=True,
-    cwd=_ROOT,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return out.read_text(), out
+  return benchmark_modules.run_small("float8_profile.py", out), out
 
 
 _table, _number = report_tables.table, report_tables.number

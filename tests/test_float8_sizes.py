@@ -1,17 +1,8 @@
 """benchmarks/float8_sizes.py: its shapes, its break-even, its report."""
 
-import os
-import subprocess
-import sys
-
 import benchmark_modules
 import pytest
 import report_tables
-
-_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-_BENCH = os.path.join(_ROOT, "benchmarks")
-_SCRIPT = os.path.join(_BENCH, "float8_sizes.py")
-
 
 sizes = benchmark_modules.load("float8_sizes")
 
@@ -40,16 +31,7 @@ def test_the_break_even_is_where_every_larger_shape_wins(ratios, want):
 
 @pytest.mark.integration
 def test_the_small_run_reports_each_shape(tmp_path):
-  out = tmp_path / "sizes.md"
-  proc = subprocess.run(
-    [sys.executable, _SCRIPT, "--small", "--out", str(out)],
-    capture_output=True,
-    text=True,
-    cwd=_ROOT,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  text = out.read_text()
+  text = benchmark_modules.run_small("float8_sizes.py", tmp_path / "sizes.md")
   assert "error" not in text
   rows = report_tables.table(text, "| M | K | N |")
   shapes = sizes.parse_shapes(sizes.SMALL["shapes"])

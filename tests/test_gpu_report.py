@@ -11,9 +11,9 @@ import inspect
 import math
 import os
 import re
-import subprocess
 import sys
 
+import benchmark_modules
 import jax
 import jax.numpy as jnp
 import pytest
@@ -22,7 +22,6 @@ import report_tables
 import optax_lossscale as ols
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
-_SCRIPT = os.path.join(_ROOT, "benchmarks", "gpu_report.py")
 PRECISIONS = ("float32", "bfloat16", "float16", "float8", "mxfp8", "nvfp4")
 
 pytestmark = [
@@ -40,15 +39,7 @@ pytestmark = [
 def report(tmp_path_factory):
   """``{section title: text}`` of one ``--small`` report, and its path."""
   out = tmp_path_factory.mktemp("gpu_report") / "report.md"
-  proc = subprocess.run(
-    [sys.executable, _SCRIPT, "--small", "--out", str(out)],
-    capture_output=True,
-    text=True,
-    cwd=_ROOT,
-    timeout=600,
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  text = out.read_text()
+  text = benchmark_modules.run_small("gpu_report.py", out)
   assert text.startswith("# GPU report")
   parts = re.split(r"^## ", text, flags=re.MULTILINE)[1:]
   return {p.splitlines()[0]: p for p in parts}, out
