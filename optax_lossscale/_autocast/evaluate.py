@@ -219,7 +219,7 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   (``preferred_element_type=bfloat16``) is kept, its float32 operands cast
   to the half dtype. Otherwise the result is half, or float32 where every
   reader reads float32 (attention's logits before the softmax; its
-  derivatives half products, :func:`_half_derivatives`). A recipe
+  derivatives products in bfloat16 or float32, :func:`_derivatives_in`). A recipe
   (``matmul=``) runs every ``dot_general`` of 16- or 32-bit real operands
   it does not keep, its result in the dtype just chosen: kept by structural
   role or module path (:func:`_block_matmul.kept`), or (where the recipe's
@@ -253,12 +253,11 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
     params = {}
   given, invals = invals, [cast(x, d) for x, d in zip(invals, targets, strict=True)]
   plain = _jaxpr.bind
-  if (
-    params.get("preferred_element_type") == _F32
-    and precision == jnp.dtype(half).name
-    and jnp.finfo(half).minexp <= jnp.finfo(_F32).minexp  # float32's range
-  ):
-    plain = functools.partial(_half_derivatives, half=jnp.dtype(half))
+  if params.get("preferred_element_type") == _F32 and precision == jnp.dtype(half).name:
+    # bfloat16 has float32's range: its backward products lose precision
+    # only; float16's would lose an output layer's small gradients.
+    wide = jnp.finfo(half).minexp > jnp.finfo(_F32).minexp
+    plain = functools.partial(_derivatives_in, dtype=_F32 if wide else jnp.dtype(half))
   if not matmul:
     return plain(eqn, invals, params)
   out_dtype = params.get("preferred_element_type", pet) or eqn.outvars[0].aval.dtype
@@ -286,27 +285,28 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   return [dot(*operands, dims, out_dtype, recipe, out_sharding=sharding)]
 
 
-def _half_derivatives(eqn, invals, params, *, half):
+def _derivatives_in(eqn, invals, params, *, dtype):
   """A product of half operands with a float32 result whose derivatives are
-  half products: ``eqn`` bound with ``params`` (a float32
+  products in ``dtype``: ``eqn`` bound with ``params`` (a float32
   ``preferred_element_type``), its tangent (and so, transposed, its
-  cotangent) computed with the result type ``half``.
+  cotangent) computed from operands in ``dtype`` with the result type
+  ``dtype``.
 
-  JAX's own rule would multiply the float32 cotangent by the half operand,
-  which runs in float32 (on GPUs two float32 GEMMs a matmul in the
-  backward pass); here the cotangent is rounded to ``half`` once and both
-  backward products run in ``half`` with float32 accumulation, as every
-  other matmul of the compute dtype does. Only for a half dtype with
-  float32's range (bfloat16): rounding then costs precision, never range.
-  In float16 the softmax's share of an output layer's gradient, about
-  1 / (vocabulary x tokens), would underflow without a loss scale, so
-  there JAX's float32 products stay. The product is bilinear in its two
-  floating operands (matmuls, convolutions), which the tangent uses.
+  JAX's own rule multiplies the float32 cotangent by the half operand:
+  in float32 (on GPUs two float32 GEMMs a matmul in the backward pass), or,
+  for a convolution on older JAX, not at all (it refuses mixed dtypes).
+  ``dtype`` half (bfloat16, with float32's range): the cotangent is rounded
+  to it once and both backward products run in it with float32
+  accumulation, as every other matmul of the compute dtype does. ``dtype``
+  float32 (float16, whose range would lose the softmax's share of an output
+  layer's gradient, about 1 / (vocabulary x tokens), without a loss scale):
+  float32 products, as JAX's rule where it runs. The product is bilinear in
+  its two floating operands (matmuls, convolutions), which the tangent uses.
   """
   floats = [i for i, x in enumerate(invals) if is_float(x.dtype)]
   if len(floats) != 2:
     return _jaxpr.bind(eqn, invals, params)
-  tangent_params = dict(params, preferred_element_type=half)
+  tangent_params = dict(params, preferred_element_type=dtype)
 
   @jax.custom_jvp
   def product(*xs):
@@ -320,8 +320,8 @@ def _half_derivatives(eqn, invals, params, *, half):
     for i in floats:
       if isinstance(tangents[i], SymbolicZero):
         continue
-      xs = list(primals)
-      xs[i] = tangents[i]
+      xs = [cast(x, dtype) if j in floats else x for j, x in enumerate(primals)]
+      xs[i] = cast(tangents[i], dtype)
       terms.append(cast(_jaxpr.bind(eqn, xs, tangent_params)[0], out.dtype))
     if not terms:
       return out, jnp.zeros_like(out)

@@ -158,11 +158,9 @@ def autocast(
     >>> import jax, jax.numpy as jnp, optax_lossscale as ols
     >>> f = lambda w, x: jnp.sum(jnp.exp(jnp.tanh(x @ w) @ w.T))
     >>> g = ols.autocast(f, compute_dtype=jnp.float16)
-    >>> jaxpr = jax.make_jaxpr(g)(jnp.ones((3, 2)), jnp.ones((4, 3)))
-    >>> body = jaxpr.eqns[0].params["jaxpr"]  # the rewritten function, jitted
-    >>> [(e.primitive.name, e.outvars[0].aval.dtype.name) for e in body.eqns
-    ...  if e.primitive.name in ("dot_general", "exp")]
-    [('dot_general', 'float16'), ('dot_general', 'float32'), ('exp', 'float32')]
+    >>> found = ols.list_matmuls(g, jnp.ones((3, 2)), jnp.ones((4, 3)))
+    >>> [(m.precision, m.out_dtype) for m in found]
+    [('float16', 'float16'), ('float16', 'float32')]
 
     The first matmul feeds ``tanh`` and another matmul: half. The second is
     read by ``exp`` alone: float32 from its half inputs.
