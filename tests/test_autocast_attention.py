@@ -195,7 +195,7 @@ PRODUCTS = ("dot_general", "conv_general_dilated")
 @pytest.mark.parametrize("derivative", DERIVATIVES)
 @pytest.mark.parametrize("half", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("name", FLOAT32_RESULTS)
-def test_the_derivatives_of_a_float32_result_are_bfloat16_products(
+def test_a_float32_result_s_derivatives_are_bfloat16_or_float32_products(
   name, half, derivative
 ):
   fn, w_shape, x_shape = FLOAT32_RESULTS[name]
