@@ -5,15 +5,17 @@ One command for one GPU, a few minutes long, that writes ``--out``
 ``--shapes`` (M tokens, K the contraction, N the outputs), a layer
 ``y = x @ w`` (float32 ``x`` and ``w``, as a network's float32 parameters
 and activations reach it) under ``ols.autocast(..., compute_dtype=bfloat16)``
-and under ``matmul="float8"``, timed forward and backward together (the
+and under ``matmul="float8"`` (and ``Float8Matmul(power_of_two=True)``,
+whose bfloat16 product comes out of the GEMM with its rescale folded in),
+timed forward and backward together (the
 value and both gradients for a float32 cotangent, then ``x`` and ``w``
 moved by 1e-6 of their gradients, so that nothing is left out; buffers
 donated) by ``_harness.measure_many``: each time is the smallest of the
-rounds' medians. The table gives both times, their ratio and the matmul
-TFLOP/s (6 M K N per step); then the least ``min(M, K, N)`` from which
-float8 was faster at every shape measured with that dimension or more:
-the value for the recipes' ``min_size`` (``Float8Matmul(min_size=...)``)
-on that GPU.
+rounds' medians. The table gives the times, each float8 recipe's speed-up
+over bfloat16 and the matmul TFLOP/s (6 M K N per step); then, for each
+recipe, the least ``min(M, K, N)`` from which it was faster than bfloat16
+at every shape measured with that dimension or more: the value for the
+recipes' ``min_size`` (``Float8Matmul(min_size=...)``) on that GPU.
 
 ``--small`` runs tiny shapes (a few calls; XLA's backend optimisation
 level 0), every code path in seconds on a CPU (what
@@ -72,7 +74,12 @@ SMALL = {"shapes": "16:32:48,64:16:32,32:64:64", "calls": 3, "rounds": 1, "warmu
 PRECISIONS = {
   "bfloat16": lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16),
   "float8": lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="float8"),
+  "float8 (power of two)": lambda f: ols.autocast(
+    f, compute_dtype=jnp.bfloat16, matmul=ols.Float8Matmul(power_of_two=True)
+  ),
 }
+#: The float8 recipes, each compared with bfloat16.
+FLOAT8 = [p for p in PRECISIONS if p != "bfloat16"]
 
 
 def parse_shapes(text):
@@ -106,12 +113,13 @@ def entry(precision, shape, seed=0):
   return step, (x, w), dy
 
 
-def break_even(results):
-  """The least ``min(M, K, N)`` from which float8 was faster at every
-  measured shape with that least dimension or more; ``None`` if none."""
+def break_even(results, recipe="float8"):
+  """The least ``min(M, K, N)`` from which ``recipe`` was faster than
+  bfloat16 at every measured shape with that least dimension or more;
+  ``None`` if none."""
   mins = sorted({min(s) for s in results})
   for size in mins:
-    if all(r["ratio"] > 1 for s, r in results.items() if min(s) >= size):
+    if all(r["speed-up"][recipe] > 1 for s, r in results.items() if min(s) >= size):
       return size
   return None
 
@@ -130,9 +138,13 @@ def measure(shapes, args):
       results[shape] = {"error": error_text(e)}
       print(f"  {shape}: {results[shape]['error']}", flush=True)
       continue
-    b, f = (t["median_s"] for t in timed)
-    results[shape] = {"bfloat16": b, "float8": f, "ratio": b / f}
-    print(f"  {shape}: bfloat16 {b * 1e3:.3f} ms, float8 {f * 1e3:.3f} ms", flush=True)
+    times = {p: t["median_s"] for p, t in zip(PRECISIONS, timed, strict=True)}
+    b = times["bfloat16"]
+    results[shape] = {**times, "speed-up": {p: b / times[p] for p in FLOAT8}}
+    print(
+      f"  {shape}: " + ", ".join(f"{p} {t * 1e3:.3f} ms" for p, t in times.items()),
+      flush=True,
+    )
   return results
 
 
@@ -146,22 +158,18 @@ def report(args, argv, results, t_start):
   rows = []
   for (m, k, n), r in results.items():
     if "error" in r:
-      rows.append([m, k, n, f"error: `{r['error'].replace('|', '/')}`", "", "", ""])
+      error = f"error: `{r['error'].replace('|', '/')}`"
+      rows.append([m, k, n, error] + [""] * (2 * len(FLOAT8) + 1))
       continue
     flops = 6 * m * k * n
     rows.append(
-      [
-        m,
-        k,
-        n,
-        f"{r['bfloat16'] * 1e3:.3f}",
-        f"{r['float8'] * 1e3:.3f}",
-        f"**{r['ratio']:.3f}**",
-        f"{flops / r['bfloat16'] / 1e12:.3g}, {flops / r['float8'] / 1e12:.3g}",
-      ]
+      [m, k, n]
+      + [f"{r[p] * 1e3:.3f}" for p in PRECISIONS]
+      + [f"**{r['speed-up'][p]:.3f}**" for p in FLOAT8]
+      + [" / ".join(f"{flops / r[p] / 1e12:.3g}" for p in PRECISIONS)]
     )
   timed = {s: r for s, r in results.items() if "error" not in r}
-  size = break_even(timed) if timed else None
+  least = {p: break_even(timed, p) if timed else None for p in FLOAT8}
   md = [
     "# float8 against bfloat16, one matmul of each shape",
     "",
@@ -174,27 +182,29 @@ def report(args, argv, results, t_start):
     "## 2. Forward and backward of one layer",
     "",
     "`y = x @ w` of float32 `x` (M x K) and `w` (K x N) under "
-    '`ols.autocast(..., compute_dtype=jnp.bfloat16)` and with `matmul="float8"`: '
+    '`ols.autocast(..., compute_dtype=jnp.bfloat16)`, with `matmul="float8"` '
+    "and with `matmul=ols.Float8Matmul(power_of_two=True)`: "
     "the value and both gradients, each time the smallest of "
-    f"{args.rounds} rounds' medians of {args.calls} calls. *float8 speed-up*: "
-    "bfloat16's time over float8's.",
+    f"{args.rounds} rounds' medians of {args.calls} calls. *Speed-up*: "
+    "bfloat16's time over the recipe's.",
     "",
     *table(
-      [
-        "M",
-        "K",
-        "N",
-        "bfloat16, ms",
-        "float8, ms",
-        "float8 speed-up",
-        "TFLOP/s: bfloat16, float8",
-      ],
+      ["M", "K", "N"]
+      + [f"{p}, ms" for p in PRECISIONS]
+      + [f"{p} speed-up" for p in FLOAT8]
+      + [f"TFLOP/s: {' / '.join(PRECISIONS)}"],
       rows,
-      "rrrrrrr",
+      "r" * (4 + 2 * len(FLOAT8) + 1),
     ),
     "",
-    "Least `min(M, K, N)` from which float8 was faster at every shape measured: "
-    + (f"**{size}** (`Float8Matmul(min_size={size})`)." if size else "none."),
+    "Least `min(M, K, N)` from which the recipe was faster than bfloat16 at "
+    "every shape measured:",
+    "",
+    *(
+      f"- {p}: "
+      + (f"**{n}** (`min_size={n}`)." if n else "none: it lost at a largest shape.")
+      for p, n in least.items()
+    ),
     "",
     f"Total wall time: {time.perf_counter() - t_start:.1f} s.",
   ]

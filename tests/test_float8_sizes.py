@@ -26,7 +26,14 @@ def test_shapes_parse_and_bad_ones_are_refused():
   ],
 )
 def test_the_break_even_is_where_every_larger_shape_wins(ratios, want):
-  assert sizes.break_even({s: {"ratio": r} for s, r in ratios.items()}) == want
+  # each float8 recipe has its own: the other's speed-ups do not count
+  for recipe in sizes.FLOAT8:
+    for other in (0.5, 2.0):  # the other recipe always losing, always winning
+      results = {
+        s: {"speed-up": {**dict.fromkeys(sizes.FLOAT8, other), recipe: r}}
+        for s, r in ratios.items()
+      }
+      assert sizes.break_even(results, recipe) == want
 
 
 @pytest.mark.integration
@@ -36,8 +43,14 @@ def test_the_small_run_reports_each_shape(tmp_path):
   rows = report_tables.table(text, "| M | K | N |")
   shapes = sizes.parse_shapes(sizes.SMALL["shapes"])
   assert [tuple(int(c) for c in r[:3]) for r in rows] == shapes
+  n = len(sizes.FLOAT8)
+  assert n == 2  # float8, and float8 with power-of-two scales
   for row in rows:
-    b, f = float(row[3]), float(row[4])
-    assert b > 0 and f > 0
-    assert report_tables.number(row[5]) == pytest.approx(b / f, rel=0.02)
-  assert "Least `min(M, K, N)` from which float8 was faster" in text
+    times = [float(c) for c in row[3 : 4 + n]]
+    assert all(t > 0 for t in times)
+    for i in range(n):  # each recipe's speed-up is bfloat16's time over its own
+      got = report_tables.number(row[4 + n + i])
+      assert got == pytest.approx(times[0] / times[1 + i], rel=0.02)
+  assert "Least `min(M, K, N)` from which the recipe was faster" in text
+  for recipe in sizes.FLOAT8:
+    assert f"\n- {recipe}: " in text
