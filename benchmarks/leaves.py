@@ -7,7 +7,9 @@
   leaves share a compiled shape), adam, ours and ``apply_if_finite(adam)``;
 * finite: the finite check alone, one reduction per leaf against ours;
 * tree: compile time of the update step on a GPT-2-shaped tree (d=128) of
-  2, 12 and 24 blocks (29, 149 and 293 leaves): adam, ``dynamic_loss_scale``,
+  2, 12 and 24 blocks (29, 149 and 293 leaves): adam, adam with an unused
+  finite check (what compiling one more read of the gradients costs: the
+  floor of an exact skip), ``dynamic_loss_scale``,
   optax's ``apply_if_finite`` (for comparison), ``quantize_state`` and
   ``dynamic_loss_scale(master_weights(quantize_state))`` on bfloat16
   parameters, alone and inside ``lax.scan``, as ratios to adam, with the
@@ -203,12 +205,30 @@ def xla_lines(out):
       out.extend(line for line in f.read().splitlines() if line.strip())
 
 
+def _with_unused_check(inner):
+  """``inner``, its state also holding ``ols.all_finite`` of the gradients,
+  which nothing reads: the finite check compiled beside the update."""
+
+  def init_fn(params):
+    return inner.init(params), jnp.array(True)
+
+  def update_fn(updates, state, params=None):
+    new_updates, new_state = inner.update(updates, state[0], params)
+    return new_updates, (new_state, ols.all_finite(updates))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
 def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
   """Compile time of the update step on GPT-2-shaped trees, per optimizer."""
   from gpu_transformer import init_decoder
 
   optimizers = {
     "adam": (jnp.float32, lambda: optax.adam(LR)),
+    "adam + an unused finite check": (
+      jnp.float32,
+      lambda: _with_unused_check(optax.adam(LR)),
+    ),
     "dynamic_loss_scale(adam)": (
       jnp.float32,
       lambda: ols.dynamic_loss_scale(optax.adam(LR)),
@@ -263,14 +283,23 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
         *[f"{row[n] / base:.2f}" for n in list(optimizers)[1:]],
       ]
     rows.append(cells)
-  names = ["adam", "loss scale", "apply_if_finite", "8-bit", "all three"]
+  names = [
+    "adam",
+    "unused check",
+    "loss scale",
+    "apply_if_finite",
+    "8-bit",
+    "all three",
+  ]
   header = ["leaves"] + [
     f"{n}{' in scan' if scanned else ''}" for scanned in scans for n in names
   ]
   lines = [
     "Compile time (trace, lower and compile, one run each) of the update "
     "step on a GPT-2-shaped tree (d_model 128, vocabulary 256): adam's, and "
-    "as ratios to it `dynamic_loss_scale(adam)` (loss scale), optax's "
+    "as ratios to it adam with an unused `ols.all_finite` of the gradients "
+    "in its state (unused check: compiling one more read of the gradients, "
+    "the floor of any exact skip), `dynamic_loss_scale(adam)` (loss scale), optax's "
     "`apply_if_finite(adam, 10)` (its skip of non-finite steps, for "
     "comparison), `quantize_state(adam)` (8-bit) and "
     "`dynamic_loss_scale(master_weights(quantize_state(adam)))` on bfloat16 "
