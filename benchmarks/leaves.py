@@ -328,21 +328,22 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
     "`dynamic_loss_scale(master_weights(quantize_state(adam)))` on bfloat16 "
     "parameters (all three); in scan: "
     f"{scan_steps} steps in one `lax.scan`. Lines XLA printed while "
-    f"compiling: {len(printed)}.",
+    f"compiling: {len(printed)}."
+    + (
+      " The second table is what XLA compiled (not in scan): lines of the "
+      "compiled step's optimised HLO text, adam's and as ratios to it. Compile "
+      "time grows with them: XLA compiles each fused kernel on its own, so work "
+      "repeated for each leaf (an 8-bit leaf's decoder and encoder) is compiled "
+      "once per leaf."
+      if size_rows
+      else ""
+    ),
     "",
     *table(header, rows, "r" * len(header)),
     *[f"    {line}" for line in printed[:5]],
   ]
   if size_rows:
-    lines += [
-      "",
-      "What XLA compiled (not in scan): lines of the compiled step's optimised "
-      "HLO text, adam's and as ratios to it. Compile time grows with them: XLA "
-      "compiles each fused kernel on its own, so work repeated for each leaf "
-      "(an 8-bit leaf's decoder and encoder) is compiled once per leaf.",
-      "",
-      *table(["leaves", *names], size_rows, "r" * (len(names) + 1)),
-    ]
+    lines += ["", *table(["leaves", *names], size_rows, "r" * (len(names) + 1))]
   return results, lines
 
 
