@@ -257,6 +257,34 @@ def test_one_trace_of_the_update_traces_the_inner_update_once_and_init_never(wra
   assert calls == {"init": 0, "update": 1}
 
 
+def test_a_jitted_body_many_leaves_share_is_evaluated_once_for_the_skip(monkeypatch):
+  # The skip re-evaluates the inner update's jaxpr with selects where the new
+  # state is made, into the jitted calls that make it; a call made for every
+  # leaf of one shape (the 8-bit encoder) shares one body, evaluated once
+  # (then traced and lowered once by JAX), so the evaluations of one trace
+  # do not grow with the number of leaves
+  from optax_lossscale._base import jaxpr as _jaxpr
+
+  evaluated = []
+  evaluate = _jaxpr.evaluate
+  monkeypatch.setattr(
+    _jaxpr, "evaluate", lambda j, *a, **k: evaluated.append(1) or evaluate(j, *a, **k)
+  )
+
+  def evaluations(n, shape):
+    params = {f"w{i}": jnp.ones(shape) for i in range(n)}
+    tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3), min_size=0))
+    state = jax.eval_shape(tx.init, params)
+    evaluated.clear()
+    jax.make_jaxpr(tx.update)(params, state, params)
+    return len(evaluated)
+
+  evaluations(1, (8, 264))  # the bodies that do not depend on the leaves' shapes
+  # shapes no other test traces, so that their encoder's body is new
+  few, many = evaluations(2, (8, 296)), evaluations(8, (8, 328))
+  assert many == few == 2  # the update's jaxpr and the encoder's body, once
+
+
 class _OwnMastersState(NamedTuple):
   """A state of this test's own that declares the KeepsFloat32Masters role."""
 

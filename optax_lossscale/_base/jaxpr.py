@@ -25,6 +25,7 @@ __all__ = [
   "Var",
   "bind",
   "call_body",
+  "call_key",
   "closed",
   "evaluate",
   "scan_counts",
@@ -47,8 +48,14 @@ def call_body(eqn: Any) -> tuple[Jaxpr, list[Any]] | None:
   """``(jaxpr, consts)`` of the body of a :data:`CALLS` equation, else ``None``."""
   if eqn.primitive.name not in CALLS:
     return None
-  key = next(k for k in ("jaxpr", "call_jaxpr") if k in eqn.params)
-  return closed(eqn.params[key])
+  return closed(call_key(eqn))
+
+
+def call_key(eqn: Any) -> Any:
+  """The body object of a :data:`CALLS` equation (its ``jaxpr`` or
+  ``call_jaxpr`` parameter, as JAX holds it: one object for every call of a
+  ``jax.jit`` function with the same argument types)."""
+  return eqn.params[next(k for k in ("jaxpr", "call_jaxpr") if k in eqn.params)]
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:

@@ -233,15 +233,15 @@ def update_on_selected_state(
   n_updates = len(jax.tree.leaves(updates_shape))
   state_outvars = closed.jaxpr.outvars[n_updates:]
 
-  # The selector of each new state leaf, keyed by the variable that holds it
-  # (the first leaf's, should two leaves be the same value).
-  selectors: dict[Any, Callable[[Any], Any]] = {}
+  # The old value each new state leaf is selected against, keyed by the
+  # variable that holds it (the first leaf's, should two leaves be the same).
+  olds: dict[Any, Any] = {}
   for i, v in enumerate(state_outvars):
-    if (
-      isinstance(v, _jaxpr.Var) and v not in selectors and _tree.is_array(old_state[i])
-    ):
-      selectors[v] = lambda x, old=old_state[i]: select(should_apply, x, old)
-  outs, selected = _evaluate_selecting(closed.jaxpr, closed.consts, arrays, selectors)
+    if isinstance(v, _jaxpr.Var) and v not in olds and _tree.is_array(old_state[i]):
+      olds[v] = old_state[i]
+  outs, selected = _evaluate_selecting(
+    closed.jaxpr, closed.consts, arrays, should_apply, olds
+  )
 
   state_flat = []
   first: dict[Any, int] = {}
@@ -274,16 +274,21 @@ def _constrain(values: list, shardings: Any) -> list:
 
 
 def _evaluate_selecting(
-  jaxpr: Any, consts: Any, args: Any, selectors: dict[Any, Callable[[Any], Any]]
+  jaxpr: Any, consts: Any, args: Any, pred: Any, olds: dict[Any, Any]
 ) -> tuple[list, set[Any]]:
-  """Evaluates ``jaxpr``, applying ``selectors[v]`` where ``v`` is computed.
+  """Evaluates ``jaxpr``, each variable ``v`` of ``olds``, where it is
+  computed, replaced by ``select(pred, v, olds[v])``.
 
   A call equation (``jax.jit`` and the like) whose outputs are to be
-  selected is evaluated by its body, with the selectors moved onto the body's
+  selected is evaluated by its body, with the selects moved onto the body's
   variables, so that what the body computes from them reads them selected.
+  That body is evaluated in a ``jax.jit`` of its own, made once for each
+  body and selected outputs (:func:`_selecting_body`): a body called for
+  many leaves (one jitted function per leaf shape) is evaluated, traced and
+  lowered once, not once per call.
 
   Returns:
-    The outputs, and the variables of ``selectors`` that were selected.
+    The outputs, and the variables of ``olds`` that were selected.
   """
   applied: set[Any] = set()
 
@@ -291,37 +296,69 @@ def _evaluate_selecting(
     body = _jaxpr.call_body(eqn)
     if (
       body is None
-      or not any(v in selectors for v in eqn.outvars)
+      or not any(v in olds for v in eqn.outvars)
       or any(x is not None for x in eqn.params.get("in_layouts", ()))
       or any(x is not None for x in eqn.params.get("out_layouts", ()))
     ):
       return _jaxpr.bind(eqn, invals)
-    sub_jaxpr, sub_consts = body
+    sub_jaxpr, _ = body
     made_inside = {v for e in sub_jaxpr.eqns for v in e.outvars}
-    sub_selectors: dict[Any, Callable[[Any], Any]] = {}
-    moved = []
-    for outer, inner in zip(eqn.outvars, sub_jaxpr.outvars, strict=True):
+    positions, sub_olds, moved, claimed = [], [], [], set()
+    outvars = zip(eqn.outvars, sub_jaxpr.outvars, strict=True)
+    for k, (outer, inner) in enumerate(outvars):
       if (
-        outer in selectors
+        outer in olds
         and isinstance(inner, _jaxpr.Var)
         and inner in made_inside
-        and inner not in sub_selectors
+        and inner not in claimed
       ):
-        sub_selectors[inner] = selectors[outer]
+        claimed.add(inner)
+        positions.append(k)
+        sub_olds.append(olds[outer])
         moved.append(outer)
-    if not sub_selectors:
+    if not positions:
       return _jaxpr.bind(eqn, invals)
     params = eqn.params
     invals = _constrain(invals, params.get("in_shardings"))
-    outs, _ = _evaluate_selecting(sub_jaxpr, sub_consts, invals, sub_selectors)
+    run = _selecting_body(_jaxpr.call_key(eqn), tuple(positions))
+    outs = run(pred, sub_olds, *invals)
     applied.update(moved)
     return _constrain(outs, params.get("out_shardings"))
 
   def on_output(v, x):
-    if v in selectors and v not in applied:
+    if v in olds and v not in applied:
       applied.add(v)
-      return selectors[v](x)
+      return select(pred, x, olds[v])
     return x
 
   outs = _jaxpr.evaluate(jaxpr, consts, args, eval_eqn, on_output)
   return outs, applied
+
+
+#: ``{(id of a call's body, selected positions): (the body, its jitted
+#: evaluation)}``: the body is held so that its id stays its own.
+_BODIES: dict[tuple[int, tuple[int, ...]], tuple[Any, Callable[..., list]]] = {}
+_MAX_BODIES = 1024
+
+
+def _selecting_body(body: Any, positions: tuple[int, ...]) -> Callable[..., list]:
+  """``run(pred, olds, *args)``: a call's ``body`` (a closed or open jaxpr)
+  evaluated on ``args`` with its outputs at ``positions`` selected against
+  ``olds`` where they are computed, as one ``jax.jit``: made once for each
+  body and positions, so that JAX traces and lowers it once, however many
+  calls share the body."""
+  key = (id(body), positions)
+  hit = _BODIES.get(key)
+  if hit is not None and hit[0] is body:
+    return hit[1]
+  jaxpr, consts = _jaxpr.closed(body)
+
+  @jax.jit
+  def run(pred, olds, *args):
+    chosen = dict(zip((jaxpr.outvars[k] for k in positions), olds, strict=True))
+    return _evaluate_selecting(jaxpr, consts, args, pred, chosen)[0]
+
+  if len(_BODIES) >= _MAX_BODIES:
+    _BODIES.clear()
+  _BODIES[key] = (body, run)
+  return run
