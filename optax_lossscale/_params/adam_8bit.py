@@ -78,12 +78,16 @@ def adam_8bit(
 ) -> Adam8bit:
   """Adam (AdamW with ``weight_decay``) with 8-bit moments, a block at a time.
 
-  The state, the updates and the stored codes are those of
+  Under ``jax.jit``, the state and the stored codes are those of
   ``quantize_state(optax.adamw(learning_rate, b1, b2, eps, eps_root,
   weight_decay=weight_decay), block_size=..., min_size=..., store_sqrt=...,
   rounding=...)`` (``optax.adam`` where ``weight_decay`` is 0), bit for
-  bit: a state of one is a state of the other (:func:`dequantize_state`,
-  checkpoints and the loss scale read it alike). What differs is how a
+  bit, and the updates agree to a few units in the last place (XLA fuses
+  the bias corrections differently in each program): a state of one is a
+  state of the other (:func:`dequantize_state`, checkpoints and the loss
+  scale read it alike). Run op by op, outside ``jax.jit``, bfloat16
+  moments may round differently: the block step is always one compiled
+  program, whose bfloat16 arithmetic XLA may carry in float32. What differs is how a
   quantised leaf is computed: its gradient, parameter, codes and scales
   are read once, and each block is decoded, updated by optax's Adam and
   encoded in one step (Adam is elementwise: a block's update needs nothing

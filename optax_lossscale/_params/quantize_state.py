@@ -174,7 +174,9 @@ def quantize_state(
   its distance from the lower one over their gap (its code then is right
   on average); the random numbers hash each element's index and new value,
   so nothing random is stored and a value that does not change keeps its
-  code. ``update`` dequantises the state (each leaf in its
+  code. Rounded to nearest, a moment that moves by less than half the gap
+  between its codes in a step keeps its code (Lion's momentum stalls: use
+  ``"stochastic"`` there). ``update`` dequantises the state (each leaf in its
   own dtype), runs ``inner.update``, and quantises the new state; a leaf
   holding NaN or an infinity gets an infinite scale, which the checkpoint
   guard sees. Like rounding, quantising has no derivative: the stored state
@@ -184,8 +186,8 @@ def quantize_state(
   (``dynamic_loss_scale(master_weights(quantize_state(optax.adam(...))))``):
   the master weights are parameters, not moments, and are never quantised;
   a :func:`master_weights` state inside it is refused. Put
-  ``optax.MultiSteps`` outside it too (its accumulated gradients have the
-  parameters' shapes).
+  ``optax.MultiSteps`` outside it too (inside, every micro-batch decodes
+  and encodes again the moments it does not change).
 
   Args:
     inner: any optax transformation (a chain included).
