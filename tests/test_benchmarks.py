@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import report_tables
 import versions
 from xla_costs import check_scratch
 
@@ -680,3 +681,30 @@ def test_bf16_params_bytes_per_parameter_follow_from_the_dtypes():
     assert [float(p) for p in each.split(", ")] == pytest.approx([-i, 0.0], abs=1e-2)
     assert float(points) == pytest.approx(-i / 2, abs=1e-2)
     assert float(b) == round(per[name], 1)
+
+
+@pytest.mark.integration
+def test_the_tree_compile_section_reports_its_floor_and_what_xla_compiled(tmp_path):
+  """``leaves.py --sections tree``: compile-time ratios with the unused
+  check (the skip's floor) beside the loss scale, and the lines of HLO XLA
+  compiled, in which the 8-bit step is the largest; nothing XLA printed."""
+  out = tmp_path / "leaves.md"
+  script = os.path.join(_BENCH, "leaves.py")
+  command = [sys.executable, script, "--quick", "--sections", "tree", "--out", out]
+  subprocess.run(command, check=True, capture_output=True, timeout=600)
+  text = out.read_text()
+  assert "Lines XLA printed while compiling: 0." in text
+  names = ["adam", "unused check", "loss scale", "apply_if_finite", "8-bit"]
+  names.append("all three")
+  header = "| leaves | " + " | ".join(names) + " |"
+  first = text.index(header)
+  seconds = report_tables.table(text[first:], header)
+  lines = report_tables.table(text[text.index(header, first + 1) :], header)
+  assert len(seconds) == len(lines) == 1  # --quick: one tree
+  assert report_tables.number(seconds[0][1], "s") > 0
+  assert all(report_tables.number(c) > 0 for c in seconds[0][2:])
+  hlo = dict(zip(names, lines[0][1:], strict=True))
+  assert int(hlo["adam"]) > 100
+  ratio = {n: report_tables.number(hlo[n]) for n in names[1:]}
+  assert 1 <= ratio["unused check"] <= ratio["loss scale"] < ratio["8-bit"]
+  assert ratio["8-bit"] < ratio["all three"]
