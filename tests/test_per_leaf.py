@@ -285,6 +285,56 @@ def test_a_jitted_body_many_leaves_share_is_evaluated_once_for_the_skip(monkeypa
   assert many == few == 2  # the update's jaxpr and the encoder's body, once
 
 
+def test_state_made_in_jitted_helpers_is_skipped_exactly():
+  # New state made inside the user's own jax.jit helpers (a static argument,
+  # a literal argument, an integer counter, a bfloat16 leaf, a scalar and a
+  # zero-size parameter), the state buffers donated: a finite step is the
+  # inner update's, a non-finite one keeps the state bit for bit, and the
+  # skip never falls back
+  import functools
+
+  @functools.partial(jax.jit, static_argnums=(2,))
+  def ema(old, g, decay):
+    return decay * old + (1 - decay) * g
+
+  @jax.jit
+  def bump(c, k):
+    return c + k
+
+  def init(p):
+    zeros = lambda d: jax.tree.map(lambda x: jnp.zeros_like(x, d), p)  # noqa: E731
+    return {"m": zeros(None), "h": zeros(jnp.bfloat16), "c": jnp.int32(0)}
+
+  def update(g, s, p=None):
+    m = jax.tree.map(lambda o, x: ema(o, x, 0.9), s["m"], g)
+    h = jax.tree.map(
+      lambda o, x: ema(o.astype(jnp.float32), x, 0.5).astype(jnp.bfloat16), s["h"], g
+    )
+    return jax.tree.map(lambda x: -0.1 * x, m), {"m": m, "h": h, "c": bump(s["c"], 1)}
+
+  inner = optax.GradientTransformation(init, update)
+  params = {"a": jnp.ones((4, 8)), "z": jnp.ones((0, 3)), "s": jnp.float32(3.0)}
+  tx = ols.dynamic_loss_scale(inner, initial_scale=16.0)
+  grads = jax.tree.map(lambda x: x * 0.5, params)
+  as_f32 = lambda t: [np.asarray(x, np.float32) for x in jax.tree.leaves(t)]  # noqa: E731
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", ols.SkipFallbackWarning)
+    step = jax.jit(tx.update, donate_argnums=(1,))
+    scaled = jax.tree.map(lambda g: g * 16.0, grads)
+    updates, state = step(scaled, tx.init(params), params)
+    want_u, want_s = inner.update(grads, inner.init(params), params)
+    for got, want in zip(as_f32(state.inner_state), as_f32(want_s), strict=True):
+      np.testing.assert_array_equal(got, want)
+    for got, want in zip(as_f32(updates), as_f32(want_u), strict=True):
+      np.testing.assert_array_equal(got, want)
+    kept = as_f32(state.inner_state)
+    bad = jax.tree.map(lambda g: g.at[...].set(jnp.nan) if g.size else g, scaled)
+    updates, state = step(bad, state, params)
+  for got, want in zip(as_f32(state.inner_state), kept, strict=True):
+    np.testing.assert_array_equal(got, want)
+  assert all(not x.any() for x in as_f32(updates))
+
+
 class _OwnMastersState(NamedTuple):
   """A state of this test's own that declares the KeepsFloat32Masters role."""
 
