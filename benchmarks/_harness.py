@@ -175,11 +175,17 @@ def median_ms(fn, args_cycle, calls=60, warmup=8):
   return statistics.median(times) * 1e3
 
 
+def compiled(fn, *args, donate_argnums=()):
+  """``(seconds to lower and compile jax.jit(fn) for args, the compiled
+  program)`` (one run)."""
+  t = time.perf_counter()
+  program = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+  return time.perf_counter() - t, program
+
+
 def compile_s(fn, *args, donate_argnums=()):
   """Seconds to lower and compile ``jax.jit(fn)`` for ``args`` (one run)."""
-  t = time.perf_counter()
-  jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
-  return time.perf_counter() - t
+  return compiled(fn, *args, donate_argnums=donate_argnums)[0]
 
 
 def ratio(a, b):

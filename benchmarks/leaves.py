@@ -33,6 +33,7 @@ import optax
 from _harness import (
   TIMING,
   compile_s,
+  compiled,
   machine_line,
   measure_dropping_carry,
   table,
@@ -205,16 +206,6 @@ def xla_lines(out):
       out.extend(line for line in f.read().splitlines() if line.strip())
 
 
-def _compile_s_and_lines(fn, *args):
-  """``(seconds to lower and compile jax.jit(fn) for args, lines of the
-  compiled program's optimised HLO text)``: what XLA compiled, whose size
-  its compile time follows."""
-  t = time.perf_counter()
-  compiled = jax.jit(fn).lower(*args).compile()
-  seconds = time.perf_counter() - t
-  return seconds, len(compiled.as_text().splitlines())
-
-
 def _with_unused_check(inner):
   """``inner``, its state also holding ``ols.all_finite`` of the gradients,
   which nothing reads: the finite check compiled beside the update."""
@@ -281,9 +272,9 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
             stacked = jax.tree.map(lambda g: jnp.stack([g] * scan_steps), grads)
             row[name] = compile_s(steps, params, state, stacked)
           else:
-            row[name], row[f"{name} HLO lines"] = _compile_s_and_lines(
-              step, params, state, grads
-            )
+            row[name], program = compiled(step, params, state, grads)
+            # what XLA compiled, whose size its compile time grows with
+            row[f"{name} HLO lines"] = len(program.as_text().splitlines())
         printed += [f"{leaves} leaves, {name}: {line}" for line in lines]
         print(
           f"  {leaves} leaves, scan {scanned}, {name}: {row[name]:.1f} s", flush=True
