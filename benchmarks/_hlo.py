@@ -227,6 +227,25 @@ class Program:
           out.append(i)
     return out
 
+  def in_loops(self):
+    """The names of the kernels (:meth:`kernels`) that run in a loop's body
+    (or its condition), once per iteration: with :meth:`categories`, what
+    a ``lax.scan`` repeats and what XLA hoisted out of it."""
+    out, seen, todo = set(), set(), []
+    for body in self.computations.values():
+      todo += [c for i in body if i.opcode == "while" for c in i.calls]
+    while todo:
+      c = todo.pop()
+      if c in seen or c not in self.computations:
+        continue
+      seen.add(c)
+      for i in self.computations[c]:
+        if i.opcode in CONTROL:
+          todo += i.calls
+        elif i.opcode not in FREE:
+          out.add(i.name)
+    return out
+
   # -- what an instruction does -------------------------------------------
 
   def _is_float8(self, shape):

@@ -419,6 +419,74 @@ def test_float8_train_step_passes(float8_step):
   }
 
 
+def _accumulate_closed_over(grad, p, xs):
+  def body(g, x):
+    return jax.tree.map(jnp.add, g, grad(p, x)), None
+
+  return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, p), xs)[0]
+
+
+def _accumulate_in_carry(grad, p, xs):
+  def body(carry, x):
+    p, g = carry
+    return (p, jax.tree.map(jnp.add, g, grad(p, x))), None
+
+  return jax.lax.scan(body, (p, jax.tree.map(jnp.zeros_like, p)), xs)[0][1]
+
+
+def _accumulate_fori(grad, p, xs):
+  def body(i, g):
+    return jax.tree.map(jnp.add, g, grad(p, xs[i]))
+
+  return jax.lax.fori_loop(0, xs.shape[0], body, jax.tree.map(jnp.zeros_like, p))
+
+
+@versions.xla_figures
+@pytest.mark.parametrize(
+  "accumulate", [_accumulate_closed_over, _accumulate_in_carry, _accumulate_fori]
+)
+def test_float8_weights_are_quantised_once_a_step_under_gradient_accumulation(
+  accumulate,
+):
+  """Gradients accumulated over micro-batches in one loop (a ``lax.scan``
+  closing over the parameters or carrying them, a ``fori_loop``): the
+  weights do not change inside it, and XLA hoists their amax and their
+  cast out of the loop, so each weight is quantised once a step, not once
+  a micro-batch. What the loop repeats is the rest of the recipe: the
+  amax and cast of the input, of the hidden activation and of each
+  matmul's output gradient (4 of each), and the 5 float8 GEMMs (the
+  input's gradient is not taken)."""
+
+  def loss(p, x):
+    h = jnp.tanh(x @ p["w1"])
+    return jnp.mean((h @ p["w2"]) ** 2)
+
+  grad = jax.grad(ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul="float8"))
+  p = {"w1": jnp.ones((256, 512)), "w2": jnp.ones((512, 128))}
+  xs = jnp.ones((4, 64, 256))
+  program = hlo.Program(
+    jax.jit(lambda p, xs: accumulate(grad, p, xs)).lower(p, xs).compile().as_text()
+  )
+  categories, looped = program.categories(), program.in_loops()
+
+  def count(category, in_loop):
+    return sum(
+      c == category and (name in looped) == in_loop for name, c in categories.items()
+    )
+
+  assert {c: (count(c, True), count(c, False)) for c in ("amax", "cast", "GEMM")} == {
+    "amax": (4, 2),
+    "cast": (4, 2),
+    "GEMM": (5, 0),
+  }
+
+
+def test_in_loops_names_the_kernels_of_loop_bodies():
+  program = hlo.Program(HAND_WRITTEN)
+  looped = program.in_loops()
+  assert looped == {n for n in HAND_LABELS if n in ("next", "twice", "lt.c")}
+
+
 # --------------------------------------------------------------------------
 # The script, end to end.
 # --------------------------------------------------------------------------
