@@ -24,6 +24,13 @@ V, D, B, T = 48, 64, 2, 8
 IDS = jnp.arange(B * T, dtype=jnp.int32).reshape(B, T) * 7 % V
 BF16 = jnp.bfloat16
 NOTHING_KEPT = ols.NVFP4Matmul(keep=())
+#: name -> (the recipe keeping the output layer, the same keeping nothing):
+#: NVFP4's default keeps it; float8 and MXFP8 keep it when asked.
+KEEPING = {
+  "nvfp4": (ols.NVFP4Matmul(), NOTHING_KEPT),
+  "float8": (ols.Float8Matmul(keep=("output",)), ols.Float8Matmul()),
+  "mxfp8": (ols.MXFP8Matmul(keep=("output",)), ols.MXFP8Matmul()),
+}
 
 
 def _table(seed, shape, scale=1.0):
@@ -139,40 +146,51 @@ def _full(hidden, head):
   return lambda *a: head(*a, hidden(*a))
 
 
+@pytest.mark.parametrize("recipe", KEEPING)
 @pytest.mark.parametrize("name", MODELS)
-def test_the_output_layer_is_kept_and_the_rest_quantised(name):
+def test_the_output_layer_is_kept_and_the_rest_quantised(name, recipe):
   args, hidden, head = MODELS[name]()
+  keeping, nothing_kept = KEEPING[recipe]
   full = _full(hidden, head)
-  nvfp4 = ols.autocast(full, compute_dtype=BF16, matmul="nvfp4")
-  found = ols.list_matmuls(nvfp4, *args)
+  fast = ols.autocast(full, compute_dtype=BF16, matmul=keeping)
+  found = ols.list_matmuls(fast, *args)
   assert [(m.kind, m.precision, m.kept) for m in found] == [
-    ("weight", "nvfp4", None),
+    ("weight", recipe, None),
     ("weight", "bfloat16", "output"),
   ], ols.format_matmuls(found)
-  # The reference: the hidden layers alone in NVFP4, the output layer alone
-  # in plain bfloat16.
-  h = ols.autocast(hidden, compute_dtype=BF16, matmul=NOTHING_KEPT)(*args)
+  # The reference: the hidden layers alone in the recipe, the output layer
+  # alone in plain bfloat16.
+  h = ols.autocast(hidden, compute_dtype=BF16, matmul=nothing_kept)(*args)
   want = ols.autocast(head, compute_dtype=BF16)(*args, h)
-  got = nvfp4(*args)
+  got = fast(*args)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # Not the bfloat16 model (the hidden layer was quantised), nor the one
   # with nothing kept (the output layer was not).
   half = ols.autocast(full, compute_dtype=BF16)(*args)
-  every = ols.autocast(full, compute_dtype=BF16, matmul=NOTHING_KEPT)(*args)
+  every = ols.autocast(full, compute_dtype=BF16, matmul=nothing_kept)(*args)
   err = lambda y: float(jnp.abs(y - want).max() / jnp.abs(want).max())  # noqa: E731
   assert err(half) > 1e-3 and err(every) > 1e-3, (err(half), err(every))
 
 
+#: name -> a recipe with ``keep``.
+WITH_KEEP = {
+  "nvfp4": ols.NVFP4Matmul,
+  "float8": ols.Float8Matmul,
+  "mxfp8": ols.MXFP8Matmul,
+}
+
+
+@pytest.mark.parametrize("recipe", WITH_KEEP)
 @pytest.mark.parametrize("name", [n for n in MODELS if "tied" in n or "attend" in n])
-def test_a_tied_output_layer_is_an_embeddings_matmul(name):
+def test_a_tied_output_layer_is_an_embeddings_matmul(name, recipe):
   # Kept by "embedding" alone too: it reads the table the model gathers from.
   args, hidden, head = MODELS[name]()
-  recipe = ols.NVFP4Matmul(keep=("embedding",))
+  matmul = WITH_KEEP[recipe](keep=("embedding",))
   found = ols.list_matmuls(
-    ols.autocast(_full(hidden, head), compute_dtype=BF16, matmul=recipe), *args
+    ols.autocast(_full(hidden, head), compute_dtype=BF16, matmul=matmul), *args
   )
   assert [(m.precision, m.kept) for m in found] == [
-    ("nvfp4", None),
+    (recipe, None),
     ("bfloat16", "embedding"),
   ]
 
@@ -260,14 +278,15 @@ def test_an_exclude_pattern_that_matches_nothing_warns():
   assert [m.precision for m in found] == ["nvfp4"] * 2  # what the warning says
 
 
-def test_an_exclude_pattern_that_matches_is_kept_by_name():
+@pytest.mark.parametrize("recipe", WITH_KEEP)
+def test_an_exclude_pattern_that_matches_is_kept_by_name(recipe):
   args, hidden, head = _linen(False)
-  recipe = ols.NVFP4Matmul(exclude=(r"body$",), keep=())
-  fast = ols.autocast(_full(hidden, head), compute_dtype=BF16, matmul=recipe)
+  matmul = WITH_KEEP[recipe](exclude=(r"body$",), keep=())
+  fast = ols.autocast(_full(hidden, head), compute_dtype=BF16, matmul=matmul)
   found = ols.list_matmuls(fast, *args)  # no warning (warnings are errors here)
   assert [(m.path, m.precision, m.kept) for m in found] == [
     ("LM.hidden/body", "bfloat16", r"exclude body$"),
-    ("LM.head/out", "nvfp4", None),
+    ("LM.head/out", recipe, None),
   ]
 
 
@@ -279,10 +298,10 @@ def test_an_exclude_pattern_that_matches_is_kept_by_name():
     (("output", "head"), "are not roles"),
   ],
 )
-@pytest.mark.parametrize("recipe", [ols.MXFP8Matmul, ols.NVFP4Matmul])
+@pytest.mark.parametrize("recipe", WITH_KEEP)
 def test_keep_is_checked(recipe, keep, message):
   with pytest.raises(ValueError, match=message):
-    recipe(keep=keep)
+    WITH_KEEP[recipe](keep=keep)
 
 
 # --- the roles at any depth -------------------------------------------------------

@@ -438,9 +438,11 @@ def test_a_non_finite_entry_poisons_its_block_or_nvfp4s_tensor():
       assert np.isfinite(y[1:]).all()
 
 
-def test_exclude_is_checked():
+@pytest.mark.parametrize("recipe", [ols.Float8Matmul, ols.MXFP8Matmul, ols.NVFP4Matmul])
+def test_exclude_is_checked(recipe):
   for bad in (None, 3, "head"):
     with pytest.raises(ValueError, match="`exclude` must be a tuple of regular"):
-      ols.MXFP8Matmul(exclude=bad)
+      recipe(exclude=bad)
   with pytest.raises(ValueError, match="is not a regular expression"):
-    ols.NVFP4Matmul(exclude=("(",))
+    recipe(exclude=("(",))
+  assert recipe(exclude=["head$"]).exclude == ("head$",)

@@ -232,11 +232,52 @@ def test_a_float8_compute_dtype_points_to_the_matmul_option():
     ols.Float8Matmul(backward_dtype="float32")
   with pytest.raises(ValueError, match="power_of_two"):
     ols.Float8Matmul(power_of_two="yes")
+  for bad in ("fast", "Forward", True, None, ("forward",)):
+    with pytest.raises(ValueError, match="fast_accumulation"):
+      ols.Float8Matmul(fast_accumulation=bad)
   if hasattr(jnp, "float8_e8m0fnu"):  # a scale format: no sign, no zero
     with pytest.raises(ValueError, match="forward_dtype"):
       ols.Float8Matmul(forward_dtype=jnp.float8_e8m0fnu)
     with pytest.raises(ValueError, match="matmul='float8'"):
       ols.autocast(_dense_loss, compute_dtype=jnp.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize(
+  "fast, forward, backward",
+  [
+    ("forward", None, lax.Precision.HIGHEST),  # the default
+    ("all", None, None),
+    ("none", lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+  ],
+)
+def test_fast_accumulation_sets_each_products_precision(fast, forward, backward):
+  """A float8 dot with the default precision lets a GPU's cuBLASLt accumulate
+  with fewer bits than float32; ``HIGHEST`` asks for float32. The forward
+  product and the two gradient products each get the recipe's, in a layer
+  and under ``autocast`` (batched and 3-d operands included); on a CPU the
+  gradients are the same bits whichever it is."""
+  recipe = ols.Float8Matmul(fast_accumulation=fast)
+  assert recipe.precision(backward=False) == forward
+  assert recipe.precision(backward=True) == backward
+
+  def loss(w, x):
+    h = jnp.einsum("btk,kn->btn", x, w)
+    return jnp.sum(jnp.einsum("btn,bsn->bts", h, h) ** 2)
+
+  w = jax.random.normal(jax.random.key(0), (32, 48))
+  x = jax.random.normal(jax.random.key(1), (2, 40, 32))
+  f = ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul=recipe)
+  jaxpr = jax.make_jaxpr(jax.grad(f))(w, x).jaxpr
+  dots = [e for e in eqns(jaxpr) if e.primitive.name == "dot_general"]
+  assert len(dots) == 2 * 3  # two float8 matmuls, each a product and two gradients
+  # Precision (a, b) of each dot: the forward ones before the gradients'.
+  got = [e.params["precision"] for e in dots]
+  want = (None if p is None else (p, p) for p in [forward] * 2 + [backward] * 4)
+  assert [None if g is None else tuple(g) for g in got] == list(want)
+  default = ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul="float8")
+  grads = jax.grad(f, argnums=(0, 1))(w, x)
+  for a, b in zip(grads, jax.grad(default, argnums=(0, 1))(w, x), strict=True):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_forward_mode_differentiation_raises_instead_of_a_wrong_hessian():

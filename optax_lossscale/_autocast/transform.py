@@ -118,8 +118,9 @@ def autocast(
   a Python attribute it sets, is a ``ValueError``, not a dropped write.
 
   With ``matmul="float8"`` (or a :class:`Float8Matmul`), every
-  ``dot_general`` with two real 16- or 32-bit floating operands runs in
-  float8 with current per-tensor scaling (forward ``float8_e4m3fn``, output gradient
+  ``dot_general`` with two real 16- or 32-bit floating operands that the
+  recipe does not keep (as below) runs in float8 with current per-tensor
+  scaling (forward ``float8_e4m3fn``, output gradient
   ``float8_e5m2``, float32 accumulation, a ``custom_vjp`` per matmul; see
   :class:`Float8Matmul`), its result in ``compute_dtype`` (or the wider
   result type the function asked for). Everything else follows the lists;

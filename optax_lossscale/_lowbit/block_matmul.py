@@ -57,7 +57,7 @@ ROLES = ("output", "embedding")
 NVFP4_KEEP = ROLES
 
 
-def _check_keep(recipe: Any) -> None:
+def check_keep(recipe: Any) -> None:
   keep = recipe.keep
   if isinstance(keep, str) or not isinstance(keep, (tuple, list)):
     raise ValueError(f"`keep` must be a tuple of roles from {ROLES}, got {keep!r}.")
@@ -67,7 +67,7 @@ def _check_keep(recipe: Any) -> None:
   object.__setattr__(recipe, "keep", tuple(keep))
 
 
-def _check_exclude(exclude: Any) -> Any:
+def check_exclude(exclude: Any) -> Any:
   if callable(exclude):
     return exclude
   if not isinstance(exclude, (tuple, list)) or not all(
@@ -149,9 +149,9 @@ class MXFP8Matmul:
   def __post_init__(self):
     _check_native(self)
     _check_bool(self, "attention")
-    _check_keep(self)
+    check_keep(self)
     check_min_size(self)
-    object.__setattr__(self, "exclude", _check_exclude(self.exclude))
+    object.__setattr__(self, "exclude", check_exclude(self.exclude))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +201,9 @@ class NVFP4Matmul:
       _check_bool(self, f)
     if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
       raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
-    _check_keep(self)
+    check_keep(self)
     check_min_size(self)
-    object.__setattr__(self, "exclude", _check_exclude(self.exclude))
+    object.__setattr__(self, "exclude", check_exclude(self.exclude))
 
 
 def _check_bool(recipe: Any, field: str) -> None:

@@ -16,6 +16,14 @@ scalar (the product of the inverse scales), which XLA folds into the GEMM.
 Elsewhere (CPU) XLA converts the operands to float32 and multiplies in
 float32: the numbers are those of float8, the speed is not.
 
+Hopper's float8 GEMMs can accumulate with fewer bits than float32 (cuBLASLt's
+fast accumulation, which XLA asks for when a float8 dot has the default
+precision). The forward product does (its contractions are a layer's
+width); the two gradient products, whose contraction in the weight's
+gradient runs over every token of the batch, ask for
+``lax.Precision.HIGHEST`` and accumulate in float32, as TransformerEngine's
+and Flax's float8 recipes do (:attr:`Float8Matmul.fast_accumulation`).
+
 A tiny matmul is the exception. XLA's GPU backend leaves a dot with
 ``(M + N) * K`` under 100 (its ``xla_gpu_gemm_rewrite_size_threshold``)
 out of cuBLAS. It then widens float8 operands to float16 and multiplies in
@@ -66,6 +74,10 @@ _RECIPE_DTYPES = tuple(
 )
 
 
+#: :attr:`Float8Matmul.fast_accumulation`'s values.
+_FAST = ("forward", "all", "none")
+
+
 @dataclasses.dataclass(frozen=True)
 class Float8Matmul:
   """How :func:`~optax_lossscale.autocast` runs matmuls in float8.
@@ -92,6 +104,19 @@ class Float8Matmul:
     attention: whether attention's matmuls run in float8 too: batched
       products of two values the function computed (``"bqhd,bkhd->bhqk"``),
       recognised by that structure, however they are written.
+    fast_accumulation: which products may use a GPU's fast float8
+      accumulation (fewer bits than float32, faster): ``"forward"`` (the
+      default: the forward product; the gradient products, whose
+      contraction in the weight's gradient runs over every token, accumulate
+      in float32), ``"all"`` or ``"none"``. The others are computed with
+      ``lax.Precision.HIGHEST``. A CPU accumulates in float32 either way.
+    exclude: matmuls kept in the compute dtype, by module path, as
+      :class:`~optax_lossscale.MXFP8Matmul`'s: regular expressions searched
+      in the matmul's module path, or a callable taking that path.
+    keep: structural roles kept in the compute dtype, as
+      :class:`~optax_lossscale.MXFP8Matmul`'s: ``"output"``, the output
+      layer, and ``"embedding"``, a matmul with a table the function also
+      gathers rows from. None by default.
     min_size: a matmul whose M, K or N (:func:`gemm_dims`, of one device's
       part) is below it stays in the compute dtype, listed as kept
       ``"small"``: its float8 GEMM saves less than quantising its operands
@@ -104,6 +129,9 @@ class Float8Matmul:
   backward_dtype: Any = jnp.float8_e5m2
   power_of_two: bool = False
   attention: bool = True
+  fast_accumulation: str = "forward"
+  exclude: Any = ()
+  keep: tuple = ()
   min_size: int = 0
   fmt: ClassVar[str] = "float8"
 
@@ -114,7 +142,25 @@ class Float8Matmul:
     for field in ("power_of_two", "attention"):
       if not isinstance(getattr(self, field), (bool, np.bool_)):
         raise ValueError(f"`{field}` must be a bool, got {getattr(self, field)!r}.")
+    if not (
+      isinstance(self.fast_accumulation, str) and self.fast_accumulation in _FAST
+    ):
+      raise ValueError(
+        f"`fast_accumulation` must be one of {', '.join(map(repr, _FAST))}, got "
+        f"{self.fast_accumulation!r}."
+      )
+    _block_matmul.check_keep(self)
+    object.__setattr__(self, "exclude", _block_matmul.check_exclude(self.exclude))
     _block_matmul.check_min_size(self)
+
+  def precision(self, backward: bool) -> Any:
+    """The ``precision`` of a forward (``backward=False``) or gradient
+    product: ``None`` (the default, which lets a GPU accumulate fast) or
+    ``lax.Precision.HIGHEST``."""
+    fast = self.fast_accumulation == "all" or (
+      self.fast_accumulation == "forward" and not backward
+    )
+    return None if fast else lax.Precision.HIGHEST
 
 
 def as_recipe(matmul: Any) -> Any:
@@ -230,21 +276,30 @@ def small(lhs_shape, rhs_shape, dimension_numbers) -> bool:
 
 
 def _scaled_dot(
-  a, b, dimension_numbers, inverse_scale, out_dtype, exact_scale, out_sharding=None
+  a,
+  b,
+  dimension_numbers,
+  inverse_scale,
+  out_dtype,
+  exact_scale,
+  out_sharding=None,
+  precision=None,
 ):
   """``dot_general(a, b) * inverse_scale`` of float8 ``a``, ``b``, in ``out_dtype``.
 
-  The product accumulates in float32 (XLA's float8 matmuls always do) and
-  comes out in ``out_dtype``; the one scalar multiplication directly on the
-  result is what XLA's GPU backend folds into the cuBLASLt float8 GEMM.
-  ``out_sharding`` is the product's, under explicit sharding (``None``:
-  JAX's own).
+  The product accumulates in float32 (fast on a GPU with ``precision``
+  ``None``: :meth:`Float8Matmul.precision`) and comes out in ``out_dtype``;
+  the one scalar multiplication directly on the result is what XLA's GPU
+  backend folds into the cuBLASLt float8 GEMM. ``out_sharding`` is the
+  product's, under explicit sharding (``None``: JAX's own).
   """
   pet = _product_dtype(out_dtype, exact_scale)
   kwargs = {} if out_sharding is None else {"out_sharding": out_sharding}
   if small(_device_shape(a), _device_shape(b), dimension_numbers):  # module docstring
     a, b = _exact.widen(a, jnp.float32), _exact.widen(b, jnp.float32)
-  out = lax.dot_general(a, b, dimension_numbers, preferred_element_type=pet, **kwargs)
+  out = lax.dot_general(
+    a, b, dimension_numbers, precision=precision, preferred_element_type=pet, **kwargs
+  )
   return (out * inverse_scale.astype(pet)).astype(out_dtype)
 
 
@@ -289,7 +344,16 @@ def _sharding_of(x: jax.Array, order: list[int] | None = None) -> Any:
 
 
 def _transpose(
-  g, other, dimension_numbers, shapes, wrt, scale, out_dtype, exact, operand=None
+  g,
+  other,
+  dimension_numbers,
+  shapes,
+  wrt,
+  scale,
+  out_dtype,
+  exact,
+  operand=None,
+  precision=None,
 ):
   """The cotangent of operand ``wrt`` (0: lhs, 1: rhs) of a ``dot_general``.
 
@@ -299,7 +363,7 @@ def _transpose(
   leaves (batch, free axes of ``wrt``, contracting axes of ``other`` in
   ascending order), which a transpose puts in operand ``wrt``'s order.
   ``operand`` (the float8 operand ``wrt``) gives the cotangent its sharding
-  under explicit sharding.
+  under explicit sharding; ``precision`` is the product's.
   """
   (lc, rc), (lb, rb) = ((list(c) for c in dn) for dn in dimension_numbers)
   free = [
@@ -327,6 +391,7 @@ def _transpose(
     exact,
     # Under explicit sharding: the cotangent sharded as its operand.
     out_sharding=None if operand is None else _sharding_of(operand, order),
+    precision=precision,
   )
   return lax.transpose(out, tuple(np.argsort(order)))
 
@@ -347,7 +412,8 @@ def dot_general(
   rescaled, cast to ``out_dtype``. Backward (a ``custom_vjp``): the output
   gradient quantised to ``recipe.backward_dtype`` and multiplied with the
   saved float8 operands, each product rescaled; the cotangents have the
-  operands' dtypes. Under explicit sharding the product has
+  operands' dtypes. Each product's ``precision`` is the recipe's
+  (:meth:`Float8Matmul.precision`). Under explicit sharding the product has
   ``out_sharding`` (the ``dot_general``'s own) and each cotangent its
   operand's sharding.
   """
@@ -358,7 +424,16 @@ def dot_general(
   def forward(a, b):
     qa, ia = quantize(a, recipe.forward_dtype, pow2)
     qb, ib = quantize(b, recipe.forward_dtype, pow2)
-    out = _scaled_dot(qa, qb, dimension_numbers, ia * ib, out_dtype, pow2, out_sharding)
+    out = _scaled_dot(
+      qa,
+      qb,
+      dimension_numbers,
+      ia * ib,
+      out_dtype,
+      pow2,
+      out_sharding,
+      recipe.precision(backward=False),
+    )
     return out, (qa, ia, qb, ib)
 
   @jax.custom_vjp
@@ -368,8 +443,13 @@ def dot_general(
   def backward(saved, g):
     qa, ia, qb, ib = saved
     qg, ig = quantize(g, recipe.backward_dtype, pow2)
-    da = _transpose(qg, qb, dimension_numbers, shapes, 0, ig * ib, dtypes[0], pow2, qa)
-    db = _transpose(qg, qa, dimension_numbers, shapes, 1, ig * ia, dtypes[1], pow2, qb)
+    precise = recipe.precision(backward=True)
+    da = _transpose(
+      qg, qb, dimension_numbers, shapes, 0, ig * ib, dtypes[0], pow2, qa, precise
+    )
+    db = _transpose(
+      qg, qa, dimension_numbers, shapes, 1, ig * ia, dtypes[1], pow2, qb, precise
+    )
     return da, db
 
   product.defvjp(forward, backward)
