@@ -71,6 +71,8 @@ _CALLS = re.compile(
 )
 _CALL_LISTS = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
 _FLOAT8 = re.compile(r"^\(?\s*f8e")
+#: The element type of a shape (a tuple's first).
+_ELEMENT = re.compile(r"^\(?\s*([a-z][a-z0-9]*)\[")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,15 +428,37 @@ class Program:
     the donation's, not the recipe's, and is not counted. ``GEMM`` is the
     number of float8 GEMMs.
     """
+    counted = self.passes()  # for the amax and cast totals
+    return {
+      "GEMM": len(self.float8_gemms()),
+      "amax": counted["amax"],
+      "cast": counted["cast"],
+      "transpose/copy": len(self._float8_moves()),
+    }
+
+  def float8_moves(self):
+    """``{element type: kernels}``: the transposes and copies that
+    :meth:`float8_passes` counts, by the element type they write. A float8
+    type is a float8 operand moved after its cast (a transpose a GEMM's
+    layout asks for: the cast did not write it so); a wider one moves an
+    operand before its cast, or a product."""
+    out = {}
+    for name in sorted(self._float8_moves()):
+      m = _ELEMENT.match(self.instructions[name].shape)
+      key = m.group(1) if m else "?"
+      out[key] = out.get(key, 0) + 1
+    return out
+
+  def _float8_moves(self):
+    """The names of the transposes and copies :meth:`float8_passes` counts."""
     self.categories()
     gemms = set(self.float8_gemms())
-    counted = self.passes()  # for the amax and cast totals
     users = {}
     for name in self._categories:
       for o in self.instructions[name].operands:
         users.setdefault(self._producer(o), set()).add(name)
     recipe = set(gemms) | {n for n, c in self._categories.items() if c == "cast"}
-    moved = 0
+    moved = set()
     for name, cat in self._categories.items():
       if cat != "transpose/copy":
         continue
@@ -450,13 +474,8 @@ class Program:
         self._categories.get(u) in ("amax", "cast") or u in gemms for u in read_by
       ):
         recipe.add(name)
-        moved += 1
-    return {
-      "GEMM": len(gemms),
-      "amax": counted["amax"],
-      "cast": counted["cast"],
-      "transpose/copy": moved,
-    }
+        moved.add(name)
+    return moved
 
   def _producer(self, name):
     """The kernel whose result ``name`` is (through tuple elements, bitcasts)."""

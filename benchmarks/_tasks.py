@@ -5,11 +5,12 @@ library (``examples/train_lm.py``); ``mlp_task``: the earlier main example's
 MLP on scikit-learn's digits (``examples/train_digits.py``). Both compute in
 bfloat16 and evaluate in float32 from the stored parameters. Each returns
 ``(model, params, batches, loss_fn, evaluate)``; ``evaluate(params)`` gives
-``(loss, accuracy)``.
+``(loss, accuracy)``. ``text_tokens``: that text as tokens of any vocabulary.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -27,12 +28,19 @@ import train_lm  # noqa: E402
 F32 = jnp.dtype(jnp.float32)
 
 
+@functools.cache
+def text_tokens(vocab):
+  """Python's standard library (``examples/train_lm.py``'s text and tokenizer)
+  as tokens of a vocabulary of ``vocab`` (256: bytes): ``(train, val)``, int32
+  arrays of its first 90% and its last 10%."""
+  train_text, val_text, *_ = train_lm.load_text(0.1)
+  encode = train_lm.make_tokenizer(train_text, vocab)
+  return encode(train_text)[0], encode(val_text)[0]
+
+
 def lm_task(steps, seed, dtype=jnp.bfloat16):
   """The main example's transformer (computing in ``dtype``) and its data."""
-  train_text, val_text, *_ = train_lm.load_text(0.1)
-  encode = train_lm.make_tokenizer(train_text, 256)
-  tokens, _ = encode(train_text)
-  val, _ = encode(val_text)
+  tokens, val = text_tokens(256)
   context = 128
   windows, val_idx = train_lm.sample(
     tokens, val, steps=steps, batch=24, context=context, eval_sequences=64, seed=seed

@@ -12,8 +12,13 @@ One command, meant for one GPU (H100 class), minutes long, that writes
    compute_dtype=jnp.bfloat16)``) and with float8 matmuls (``...,
    matmul="float8"``), the two steps timed together by
    ``_harness.measure_many`` (buffers donated, called in turn, each time
-   the smallest of the rounds' medians); tokens/s, their ratio, and each
-   precision's loss (float32 forward pass) after the same steps.
+   the smallest of the rounds' medians); tokens/s and their ratio. Then
+   each precision's compiled step trains the decoder again from the same
+   initial parameters on text (Python's standard library, the main
+   example's tokenizer; ``--loss-steps`` batches of fresh windows, the same
+   for both, and for float32 as the reference), and the report gives each
+   one's float32 loss on held-out windows and float8's difference to
+   bfloat16.
 3. Time split: for each size and precision, a ``jax.profiler`` trace of
    ``--profile-steps`` steps (Chrome-trace JSON), its kernels matched to
    the compiled step (``_hlo.Program``: by the ``hlo_op`` each kernel
@@ -64,6 +69,7 @@ import gpu_transformer as _transformer  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 import train_step  # noqa: E402
 from _harness import (  # noqa: E402
   SMALL_XLA_FLAGS,
@@ -76,6 +82,7 @@ from _harness import (  # noqa: E402
   table,
 )
 from _hlo import CATEGORIES, GEMM_TARGETS, Program  # noqa: E402
+from _workloads import LR  # noqa: E402
 from gpu_transformer import decoder_loss, init_decoder, step_flops  # noqa: E402
 
 import optax_lossscale as ols  # noqa: E402
@@ -95,6 +102,8 @@ SMALL = {
   "rounds": 1,
   "warmup": 1,
   "profile_steps": 2,
+  "loss_steps": 3,
+  "eval_batches": 1,
 }
 #: The recipe's passes over memory per float8 matmul of a train step: an
 #: amax and a cast of each forward operand and of the output gradient; the
@@ -263,12 +272,55 @@ def profile(compiled, carry, batch, steps, trace_path):
 # --------------------------------------------------------------------------
 
 
+def text_batches(size, args):
+  """``{"train": [(x, y), ...], "val": [...]}``: ``args.loss_steps`` batches of
+  windows of the standard library's tokens (``_tasks.text_tokens``, random,
+  seeded) and ``args.eval_batches`` of held-out windows (evenly spaced), each
+  ``size["batch"]`` windows of ``size["seq"]`` inputs and their next tokens."""
+  import _tasks  # the examples' text: imports Flax
+
+  train, val = _tasks.text_tokens(args.vocab)
+  b = size["batch"]
+  windows, val_idx = _tasks.train_lm.sample(
+    train,
+    val,
+    steps=args.loss_steps,
+    batch=b,
+    context=size["seq"],
+    eval_sequences=args.eval_batches * b,
+    seed=0,
+  )
+  held_out = val[val_idx]
+
+  def split(w):
+    return jnp.asarray(w[:, :-1]), jnp.asarray(w[:, 1:])
+
+  return {
+    "train": [split(w) for w in windows],
+    "val": [split(held_out[i : i + b]) for i in range(0, len(held_out), b)],
+  }
+
+
+def text_loss(compiled, params, batches, evaluate):
+  """Trains ``params`` (with a fresh ``optax.adam(LR)`` state, the timed
+  step's) with ``compiled`` on ``batches["train"]``; the mean of
+  ``evaluate`` over ``batches["val"]``."""
+  carry = (params, optax.adam(LR).init(params))
+  for batch in batches["train"]:
+    carry = compiled(carry, batch)
+  return float(np.mean([evaluate(carry[0], *batch) for batch in batches["val"]]))
+
+
 def measure_size(size, args, trace_stem):
   """Times, profiles and counts one size; returns a result dict."""
   d, vocab = size["d_model"], args.vocab
-  params = init_decoder(
-    jax.random.key(0), vocab=vocab, d_model=d, layers=size["layers"], seq=size["seq"]
-  )
+
+  def init():
+    return init_decoder(
+      jax.random.key(0), vocab=vocab, d_model=d, layers=size["layers"], seq=size["seq"]
+    )
+
+  params = init()
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, vocab, (size["batch"], size["seq"]), np.int32))
   batch = (tokens, jnp.roll(tokens, -1, axis=1))
@@ -294,8 +346,8 @@ def measure_size(size, args, trace_stem):
     entries, args.calls, rounds=args.rounds, warmup=args.warmup, keep_compiled=True
   )
   del entries
-  result["steps"] = args.rounds * (args.warmup + args.calls) + args.profile_steps
   evaluate = jax.jit(loss_fn)
+  text = text_batches(size, args) if args.loss_steps else None
   for name, r in zip(PRECISIONS, timed, strict=True):
     out = result[name] = {
       "median_s": r["median_s"],
@@ -310,6 +362,7 @@ def measure_size(size, args, trace_stem):
       f.write(hlo)
     out["passes"] = program.passes()
     out["float8_passes"] = program.float8_passes()
+    out["float8_moves"] = program.float8_moves()
     out["cublas_f8"] = sum("$f8" in i.target for i in program.instructions.values())
     carry = r.pop("carry")
     try:
@@ -322,8 +375,15 @@ def measure_size(size, args, trace_stem):
     except Exception as e:  # noqa: BLE001
       traceback.print_exc()
       out["split_error"] = error_text(e)
-    out["loss"] = float(evaluate(carry[0], *batch))
-    del carry, r["compiled"]
+    del carry
+    if text is not None:
+      out["loss"] = text_loss(r["compiled"], init(), text, evaluate)
+    del r["compiled"]
+  if text is not None:  # the reference: what rounding to bfloat16 alone moves
+    step, carry, _ = train_step.loss_entries(loss_fn, init(), text["train"][0])["plain"]
+    compiled = jax.jit(step, donate_argnums=0).lower(carry, text["train"][0]).compile()
+    del carry
+    result["float32_loss"] = text_loss(compiled, init(), text, evaluate)
   return result
 
 
@@ -363,7 +423,10 @@ def tokens_lines(sizes, results, args):
         f"**{b['median_s'] / f['median_s']:.3f}**",
         f"{tflops[0]:.3g}, {tflops[1]:.3g}",
         f"{max(b['spread'], f['spread']):.1%}" if args.rounds > 1 else "-",
-        f"{b['loss']:.4f}, {f['loss']:.4f} ({f['loss'] - b['loss']:+.4f})",
+        f"{r['float32_loss']:.4f}, {b['loss']:.4f}, {f['loss']:.4f} "
+        f"({f['loss'] - b['loss']:+.4f})"
+        if "loss" in b
+        else "-",
         f"{b['compile_s']:.1f} s, {f['compile_s']:.1f} s",
       ]
     )
@@ -378,7 +441,7 @@ def tokens_lines(sizes, results, args):
       "float8/bfloat16",
       "TFLOP/s: bfloat16, float8",
       "rounds spread",
-      "loss: bfloat16, float8 (difference)",
+      "loss: float32, bfloat16, float8 (float8 - bfloat16)",
       "compile: bfloat16, float8",
     ],
     rows,
@@ -447,13 +510,19 @@ def passes_lines(sizes, results):
       continue
     p, b = r["float8"]["float8_passes"], r["bfloat16"]["passes"]
     n = r["float8_matmuls"]
+    by_type = r["float8"]["float8_moves"]
+    moves = (
+      "; by the type they write: " + ", ".join(f"{t} {k}" for t, k in by_type.items())
+      if by_type
+      else ""
+    )
     lines.append(
       f"- d_model {size['d_model']}: {n} float8 matmuls in the forward pass, "
       f"{p['GEMM']} float8 GEMMs in the step ({r['float8']['cublas_f8']} "
       f"cuBLASLt `__cublas$lt$matmul$f8`); amax passes {p['amax']} "
       f"(minimum {MINIMUM['amax'] * n}), casts {p['cast']} "
       f"(minimum {MINIMUM['cast'] * n}), transposes and copies of float8 "
-      f"matmuls' operands or products {p['transpose/copy']} (minimum 0); "
+      f"matmuls' operands or products {p['transpose/copy']} (minimum 0{moves}); "
       f"transposes and copies in the whole step: float8 "
       f"{r['float8']['passes']['transpose/copy']}, bfloat16 {b['transpose/copy']}."
     )
@@ -481,8 +550,8 @@ def report(args, argv, env_lines, sizes, results, t_start, backend):
     + "; ".join(
       f"{shape_text(s)} ({s['batch'] * s['seq']} tokens a step)" for s in sizes
     )
-    + ". The loss is the mean cross-entropy over every token; the batch is "
-    "random tokens, the same every step.",
+    + ". The loss is the mean cross-entropy over every token; the timed batch "
+    "is random tokens, the same every step.",
     "",
     "Both precisions are trained with `optax.adam(1e-3)` (buffers donated) and "
     "timed together by `_harness.measure_many`: the two steps called in turn, "
@@ -490,9 +559,15 @@ def report(args, argv, env_lines, sizes, results, t_start, backend):
     f"medians of {args.calls} calls after {args.warmup} warm-up calls. "
     "*rounds spread*: the larger of the two steps' (slowest round median / "
     "fastest - 1). *TFLOP/s*: the step's matmul FLOPs (the GPU report's count: "
-    "6 x matmul parameters x tokens + attention's) per second. *loss*: the "
-    "float32 loss of each precision's parameters after the same steps (the "
-    "timed ones and the profiled ones).",
+    "6 x matmul parameters x tokens + attention's) per second. *loss*: each "
+    "precision's compiled step trains the decoder again from the same initial "
+    f"parameters for {args.loss_steps} steps on text (Python's standard "
+    f"library in `examples/train_lm.py`'s tokens of a vocabulary of "
+    f"{args.vocab}; fresh random windows each step, the same for both), then "
+    f"the float32 loss on {args.eval_batches} batches of held-out windows; "
+    "float32 is the same training without autocast: the bfloat16 run's "
+    "distance to it is what rounding alone moves the loss"
+    + ("." if args.loss_steps else " (`--loss-steps 0`: not measured)."),
     "",
     *[f"- {name}: {how}" for name, (how, _) in PRECISIONS.items()],
     "",
@@ -527,7 +602,11 @@ def report(args, argv, env_lines, sizes, results, t_start, backend):
     "transposed copy (a cast can write the layout a GEMM reads; a Hopper "
     "float8 GEMM reads both operands along their contracted axis, so without "
     "that a matmul needs 3: the weight's forward, the input's and the output "
-    "gradient's for the weight gradient):",
+    "gradient's for the weight gradient). A transpose that writes a float8 "
+    "type moves a cast's output into the layout its GEMM reads (XLA's GEMM "
+    "rewriter adds one where the operand's layout has the contracted axis "
+    "outermost); one that writes a wider type moves an operand before its "
+    "cast, or a product:",
     "",
     *passes_lines(sizes, results),
   ]
@@ -563,17 +642,27 @@ def parse_args(argv=None):
   add("--rounds", type=int, default=2, help="rounds of timing")
   add("--warmup", type=int, default=2, help="warm-up steps per round")
   add("--profile-steps", type=int, default=3, help="steps in each trace")
+  add(
+    "--loss-steps",
+    type=int,
+    default=100,
+    help="steps of training on text before the loss is taken (0: none)",
+  )
+  add("--eval-batches", type=int, default=4, help="held-out batches of the loss")
   args = parser.parse_args(argv)
   small_defaults(parser, args, SMALL)
   try:
     args.size_list = parse_sizes(args.sizes)
   except ValueError as e:
     parser.error(str(e))
-  for key in ("vocab", "calls", "rounds", "profile_steps"):
+  for key in ("calls", "rounds", "profile_steps", "eval_batches"):
     if getattr(args, key) < 1:
       parser.error(f"--{key.replace('_', '-')} must be at least 1")
-  if args.warmup < 0:
-    parser.error("--warmup must be at least 0")
+  for key in ("warmup", "loss_steps"):
+    if getattr(args, key) < 0:
+      parser.error(f"--{key.replace('_', '-')} must be at least 0")
+  if args.vocab < 256:
+    parser.error("--vocab must be at least 256 (the text's bytes are tokens)")
   return args
 
 

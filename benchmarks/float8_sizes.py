@@ -6,7 +6,9 @@ One command for one GPU, a few minutes long, that writes ``--out``
 ``y = x @ w`` (float32 ``x`` and ``w``, as a network's float32 parameters
 and activations reach it) under ``ols.autocast(..., compute_dtype=bfloat16)``
 and under ``matmul="float8"`` (and ``Float8Matmul(power_of_two=True)``,
-whose bfloat16 product comes out of the GEMM with its rescale folded in),
+whose bfloat16 product comes out of the GEMM with its rescale folded in, and
+``Float8Matmul(fast_accumulation="all")``, whose gradient products also
+accumulate fast: what float32 accumulation costs them),
 timed forward and backward together (the
 value and both gradients for a float32 cotangent, then ``x`` and ``w``
 moved by 1e-6 of their gradients, so that nothing is left out; buffers
@@ -76,6 +78,11 @@ PRECISIONS = {
   "float8": lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul="float8"),
   "float8 (power of two)": lambda f: ols.autocast(
     f, compute_dtype=jnp.bfloat16, matmul=ols.Float8Matmul(power_of_two=True)
+  ),
+  "float8 (fast accumulation)": lambda f: ols.autocast(
+    f,
+    compute_dtype=jnp.bfloat16,
+    matmul=ols.Float8Matmul(fast_accumulation="all"),
   ),
 }
 #: The float8 recipes, each compared with bfloat16.
@@ -182,8 +189,10 @@ def report(args, argv, results, t_start):
     "## 2. Forward and backward of one layer",
     "",
     "`y = x @ w` of float32 `x` (M x K) and `w` (K x N) under "
-    '`ols.autocast(..., compute_dtype=jnp.bfloat16)`, with `matmul="float8"` '
-    "and with `matmul=ols.Float8Matmul(power_of_two=True)`: "
+    '`ols.autocast(..., compute_dtype=jnp.bfloat16)`, with `matmul="float8"`, '
+    "with `matmul=ols.Float8Matmul(power_of_two=True)` and with "
+    '`matmul=ols.Float8Matmul(fast_accumulation="all")` (the gradient products '
+    "too accumulate with fewer bits than float32 on a GPU): "
     "the value and both gradients, each time the smallest of "
     f"{args.rounds} rounds' medians of {args.calls} calls. *Speed-up*: "
     "bfloat16's time over the recipe's.",

@@ -74,6 +74,11 @@ def _text_files():
   return sorted(glob.glob(os.path.join(stdlib, "*.py")))
 
 
+def _read(path: str) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()
+
+
 def _split(size: int, val_fraction: float) -> int:
   return int(size * (1 - val_fraction))
 
@@ -81,7 +86,7 @@ def _split(size: int, val_fraction: float) -> int:
 def load_text(val_fraction: float):
   """The standard library's top-level ``.py`` files, as bytes: (train, val, files)."""
   files = _text_files()
-  data = b"".join(open(f, "rb").read() for f in files)
+  data = b"".join(_read(f) for f in files)
   split = _split(len(data), val_fraction)
   return data[:split], data[split:], len(files)
 

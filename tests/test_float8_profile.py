@@ -15,6 +15,7 @@ import importlib
 import json
 import pathlib
 import re
+import types
 
 import benchmark_modules
 import jax
@@ -35,6 +36,12 @@ gpu_transformer = benchmark_modules.load("gpu_transformer")
 train_step = benchmark_modules.load("train_step")
 
 pytestmark = pytest.mark.standard_promotion  # optax's adam
+
+#: The script's train steps are bench.py's, on Flax models; its text is the
+#: main example's (which imports Flax).
+needs_flax = pytest.mark.skipif(
+  importlib.util.find_spec("flax") is None, reason="the script needs Flax"
+)
 
 
 # --------------------------------------------------------------------------
@@ -91,6 +98,7 @@ def test_hand_written_module_passes():
     "cast": 2,
     "transpose/copy": 1,
   }
+  assert program.float8_moves() == {"f8e4m3fn": 1}  # the copy writes float8
 
 
 @pytest.mark.parametrize(
@@ -143,6 +151,60 @@ def _compiled_step(precision, layers=2):
   with jax.numpy_dtype_promotion("standard"):
     step, carry, batch = train_step.loss_entries(wrap(loss_fn), params, batch)["plain"]
     return jax.jit(step, donate_argnums=0).lower(carry, batch).compile()
+
+
+@pytest.fixture(scope="module")
+def tasks():
+  """The benchmarks' ``_tasks`` (the text), imported as the script imports it
+  when it first needs it."""
+  return benchmark_modules.load("_tasks")
+
+
+def _text_args(loss_steps, eval_batches=2):
+  return types.SimpleNamespace(
+    vocab=256, loss_steps=loss_steps, eval_batches=eval_batches
+  )
+
+
+@needs_flax
+def test_text_batches_are_next_token_windows_of_the_text(tasks):
+  """The loss's data: ``loss_steps`` batches of training windows and
+  ``eval_batches`` of held-out ones, each target the next token of its
+  input, the same batches every call (both precisions train on the same),
+  the held-out ones from the text's last 10% (the first at its start)."""
+  size = {"seq": 16, "batch": 2}
+  a = profile.text_batches(size, _text_args(3))
+  b = profile.text_batches(size, _text_args(3))
+  _, val = tasks.text_tokens(256)
+  assert (len(a["train"]), len(a["val"])) == (3, 2)
+  for part in ("train", "val"):
+    for (x, y), (x_again, y_again) in zip(a[part], b[part], strict=True):
+      assert x.shape == y.shape == (2, 16)
+      np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+      np.testing.assert_array_equal(x, x_again)
+      np.testing.assert_array_equal(y, y_again)
+  assert len({np.asarray(x).tobytes() for x, _ in a["train"]}) == 3  # fresh windows
+  np.testing.assert_array_equal(a["val"][0][0][0], val[:16])
+  np.testing.assert_array_equal(a["val"][0][1][0], val[1:17])
+
+
+@needs_flax
+def test_text_loss_trains_the_timed_step_on_the_text(tasks):
+  """``text_loss`` trains with the compiled step that was timed (its carry,
+  parameters and a fresh Adam state, is the timed step's: a compiled
+  program refuses another), and the held-out loss falls from the initial
+  parameters'."""
+  del tasks  # imported for text_batches
+  loss_fn, params, batch = _decoder(layers=1, d_model=32, heads=2, seq=16, batch=2)
+  text = profile.text_batches({"seq": 16, "batch": 2}, _text_args(30))
+  with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+    step, carry, batch = train_step.loss_entries(loss_fn, params, batch)["plain"]
+    compiled = jax.jit(step, donate_argnums=0).lower(carry, batch).compile()
+    evaluate = jax.jit(loss_fn)
+    before = float(np.mean([evaluate(params, *b) for b in text["val"]]))
+    after = profile.text_loss(compiled, jax.tree.map(jnp.copy, params), text, evaluate)
+  assert np.log(256) - 0.1 < before < np.log(256) + 0.1
+  assert after < before - 0.5
 
 
 @pytest.fixture(scope="module")
@@ -385,6 +447,7 @@ def test_float8_dense_layer_passes():
   assert f8["amax"] == profile.MINIMUM["amax"] * n
   assert f8["cast"] == profile.MINIMUM["cast"] * n
   assert f8["transpose/copy"] == 2  # minimum: 0
+  assert programs["float8"].float8_moves() == {"f32": 2}  # a product, not float8
   assert programs["bfloat16"].passes()["transpose/copy"] == 2
   assert programs["bfloat16"].float8_passes() == dict.fromkeys(
     ("GEMM", "amax", "cast", "transpose/copy"), 0
@@ -417,6 +480,7 @@ def test_float8_train_step_passes(float8_step):
     "cast": profile.MINIMUM["cast"] * n + n,
     "transpose/copy": 5,
   }
+  assert program.float8_moves() == {"f32": 5}  # none of float8 values
 
 
 def _accumulate_closed_over(grad, p, xs):
@@ -492,12 +556,6 @@ def test_in_loops_names_the_kernels_of_loop_bodies():
 # --------------------------------------------------------------------------
 
 
-#: The script's train steps are bench.py's, on Flax models.
-needs_flax = pytest.mark.skipif(
-  importlib.util.find_spec("flax") is None, reason="the script's models need Flax"
-)
-
-
 @pytest.fixture(scope="module")
 def small_report(tmp_path_factory):
   out = tmp_path_factory.mktemp("float8_profile") / "report.md"
@@ -526,10 +584,15 @@ def test_small_report_tokens(small_report):
       assert ms > 0
       assert _number(per_s) == pytest.approx(1e3 * tokens / ms, rel=0.01, abs=1)
     assert _number(row[6]) == pytest.approx(b_ms / f_ms, rel=0.01)
-    losses = re.fullmatch(r"(\S+), (\S+) \((\S+)\)", row[9])
-    assert float(losses[3]) == pytest.approx(
-      float(losses[2]) - float(losses[1]), abs=2e-4
+    losses = re.fullmatch(r"(\S+), (\S+), (\S+) \((\S+)\)", row[9])
+    assert losses, row[9]
+    assert float(losses[4]) == pytest.approx(
+      float(losses[3]) - float(losses[2]), abs=2e-4
     )
+    # trained for 3 steps from ln(256) nats: each has learnt, all alike
+    f32, b16, f8 = (float(losses[i]) for i in (1, 2, 3))
+    assert all(x < np.log(256) - 0.1 for x in (f32, b16, f8)), row[9]
+    assert abs(b16 - f32) < 0.05 and abs(f8 - f32) < 0.05, row[9]
 
 
 @needs_flax
