@@ -216,7 +216,24 @@ class Program:
     the entry computation's and those of the loops, branches and calls it
     runs, without the ones that move no data (parameters, tuples, bitcasts)
     or only run others (loops, branches)."""
-    out, seen, todo = [], set(), [self.entry]
+    return self._kernels_from([self.entry])
+
+  def in_loops(self):
+    """The names of the kernels (:meth:`kernels`) that run in a loop's body
+    (or its condition), once per iteration: with :meth:`categories`, what
+    a ``lax.scan`` repeats and what XLA hoisted out of it."""
+    loops = [
+      c
+      for body in self.computations.values()
+      for i in body
+      if i.opcode == "while"
+      for c in i.calls
+    ]
+    return {i.name for i in self._kernels_from(loops)}
+
+  def _kernels_from(self, computations):
+    """The kernels of ``computations`` and of those they run, in order."""
+    out, seen, todo = [], set(), list(computations)
     while todo:
       c = todo.pop(0)
       if c in seen or c not in self.computations:
@@ -227,25 +244,6 @@ class Program:
           todo += i.calls
         elif i.opcode not in FREE:
           out.append(i)
-    return out
-
-  def in_loops(self):
-    """The names of the kernels (:meth:`kernels`) that run in a loop's body
-    (or its condition), once per iteration: with :meth:`categories`, what
-    a ``lax.scan`` repeats and what XLA hoisted out of it."""
-    out, seen, todo = set(), set(), []
-    for body in self.computations.values():
-      todo += [c for i in body if i.opcode == "while" for c in i.calls]
-    while todo:
-      c = todo.pop()
-      if c in seen or c not in self.computations:
-        continue
-      seen.add(c)
-      for i in self.computations[c]:
-        if i.opcode in CONTROL:
-          todo += i.calls
-        elif i.opcode not in FREE:
-          out.add(i.name)
     return out
 
   # -- what an instruction does -------------------------------------------
