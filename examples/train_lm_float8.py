@@ -7,11 +7,11 @@ initialisation and batches):
 2. ``bfloat16``: ``ols.autocast(loss, compute_dtype=jnp.bfloat16)``.
 3. ``--recipe`` (default ``float8``): ``ols.autocast(loss,
    compute_dtype=jnp.bfloat16, matmul=recipe)``, everything else as in run
-   2. ``float8``: every matmul (the projections, the attention scores and
-   values, the MLP, the output layer) in float8 with a scale per tensor;
-   ``mxfp8``: every matmul block-scaled, blocks of 32; ``nvfp4``: 4-bit
-   elements in blocks of 16, the output layer and the attention einsums
-   kept in bfloat16 (``ols.NVFP4Matmul``'s default).
+   2. ``float8``: the weights' matmuls (the projections, the MLP, the
+   output layer) in float8 with a scale per tensor; ``mxfp8``: the same
+   block-scaled, blocks of 32; ``nvfp4``: 4-bit elements in blocks of 16,
+   the output layer kept in bfloat16 too. Every recipe keeps attention's
+   einsums (scores and values) in bfloat16 by default.
 
 The model is not modified: autocast rewrites the float32 function. Runs 2
 and 3 use ``ols.dynamic_loss_scale(optax.adam(...), track_nonfinite=True)``:

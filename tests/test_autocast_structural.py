@@ -110,10 +110,10 @@ def _block(attention):
   [
     ("nvfp4", "bfloat16"),
     (ols.NVFP4Matmul(attention=True), "nvfp4"),
-    ("mxfp8", "mxfp8"),
-    (ols.MXFP8Matmul(attention=False), "bfloat16"),
-    ("float8", "float8"),
-    (ols.Float8Matmul(attention=False), "bfloat16"),
+    ("mxfp8", "bfloat16"),
+    (ols.MXFP8Matmul(attention=True), "mxfp8"),
+    ("float8", "bfloat16"),
+    (ols.Float8Matmul(attention=True), "float8"),
   ],
 )
 @pytest.mark.parametrize("spelling", ATTENTION_SPELLINGS)
@@ -217,8 +217,8 @@ def test_a_scans_constants_and_carry_are_counted_on_this_jax():
 
 
 MIN_SIZE_RECIPES = {
-  "float8": lambda n: ols.Float8Matmul(min_size=n),
-  "mxfp8": lambda n: ols.MXFP8Matmul(min_size=n),
+  "float8": lambda n: ols.Float8Matmul(min_size=n, attention=True),
+  "mxfp8": lambda n: ols.MXFP8Matmul(min_size=n, attention=True),
   "nvfp4": lambda n: ols.NVFP4Matmul(min_size=n, attention=True, keep=()),
 }
 

@@ -361,7 +361,8 @@ def test_layers_are_excluded_by_module_path():
   # an einsum is a weight's matmul like any other (attention's are kept by
   # structure, the recipe's `attention`, not by name)
   assert not _block_matmul.excluded(nv, "Transformer/block_0/btd,df->btf")
-  assert not nv.attention and ols.MXFP8Matmul().attention
+  defaults = (nv, ols.MXFP8Matmul(), ols.Float8Matmul())
+  assert not any(r.attention for r in defaults)
   # an excluded matmul runs in the compute dtype: the head's output is exact
   made, _ = _low_precision_uses(jax.make_jaxpr(f)(params).jaxpr)
   assert made  # the body's matmul is quantised

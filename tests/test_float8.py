@@ -256,7 +256,7 @@ def test_fast_accumulation_sets_each_products_precision(fast, forward, backward)
   product and the two gradient products each get the recipe's, in a layer
   and under ``autocast`` (batched and 3-d operands included); on a CPU the
   gradients are the same bits whichever it is."""
-  recipe = ols.Float8Matmul(fast_accumulation=fast)
+  recipe = ols.Float8Matmul(fast_accumulation=fast, attention=True)
   assert recipe.precision(backward=False) == forward
   assert recipe.precision(backward=True) == backward
 
@@ -274,7 +274,9 @@ def test_fast_accumulation_sets_each_products_precision(fast, forward, backward)
   got = [e.params["precision"] for e in dots]
   want = (None if p is None else (p, p) for p in [forward] * 2 + [backward] * 4)
   assert [None if g is None else tuple(g) for g in got] == list(want)
-  default = ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul="float8")
+  default = ols.autocast(
+    loss, compute_dtype=jnp.bfloat16, matmul=ols.Float8Matmul(attention=True)
+  )
   grads = jax.grad(f, argnums=(0, 1))(w, x)
   for a, b in zip(grads, jax.grad(default, argnums=(0, 1))(w, x), strict=True):
     np.testing.assert_array_equal(a, b)

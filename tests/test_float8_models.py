@@ -75,7 +75,8 @@ def test_outputs_and_gradients_within_the_float8_bound(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_every_matmul_has_float8_operands_forward_and_backward(name):
   _, loss, params, x, _ = _setup(name)
-  fast = ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul="float8")
+  recipe = ols.Float8Matmul(attention=True)  # attention's matmuls too
+  fast = ols.autocast(loss, compute_dtype=jnp.bfloat16, matmul=recipe)
   eqns = list(_eqns(jax.make_jaxpr(jax.grad(fast))(params, x).jaxpr))
   dots = [e for e in eqns if e.primitive.name == "dot_general"]
   assert dots

@@ -180,11 +180,11 @@ def test_matmuls_per_recipe(report):
   if not (hasattr(jnp, "float8_e8m0fnu") and hasattr(jnp, "float4_e2m1fn")):
     pytest.skip("this JAX has no block-scaled formats")
   # Per layer: the qkv, output, fc1 and fc2 weights and attention's two
-  # batched products; and the output layer (plain JAX, no module path: NVFP4
-  # keeps it by structure).
+  # batched products (every recipe keeps those by default); and the output
+  # layer (plain JAX, no module path: NVFP4 keeps it by structure).
   want = {
-    "float8": {"float8": 6 * layers + 1},
-    "mxfp8": {"mxfp8": 6 * layers + 1},
+    "float8": {"float8": 4 * layers + 1, "bfloat16": 2 * layers},
+    "mxfp8": {"mxfp8": 4 * layers + 1, "bfloat16": 2 * layers},
     "nvfp4": {"nvfp4": 4 * layers, "bfloat16": 2 * layers + 1},
   }
   for name, counts in want.items():

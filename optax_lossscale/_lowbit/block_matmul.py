@@ -134,14 +134,15 @@ class MXFP8Matmul:
       possible.
     attention: whether attention's matmuls run in the recipe too: batched
       products (``"bqhd,bkhd->bhqk"``) of two values the function computed,
-      recognised by that structure, however they are written.
+      recognised by that structure, however they are written. Off by
+      default, as :class:`~optax_lossscale.Float8Matmul`'s.
     min_size: matmuls with an M, K or N below it kept in the compute
       dtype, as :class:`~optax_lossscale.Float8Matmul`'s; 0 keeps none.
   """
 
   exclude: Any = ()
   native: bool | None = None
-  attention: bool = True
+  attention: bool = False
   keep: tuple = ()
   min_size: int = 0
   fmt: ClassVar[str] = "mxfp8"

@@ -103,7 +103,10 @@ class Float8Matmul:
       of two would bias them all alike).
     attention: whether attention's matmuls run in float8 too: batched
       products of two values the function computed (``"bqhd,bkhd->bhqk"``),
-      recognised by that structure, however they are written.
+      recognised by that structure, however they are written. Off by
+      default, as in torchao's and TransformerEngine's recipes: quantising
+      the scores (batch x heads x queries x keys) and their gradient moves
+      more memory than their float8 GEMMs save (BENCHMARKS.md).
     fast_accumulation: which products may use a GPU's fast float8
       accumulation (fewer bits than float32, faster): ``"forward"`` (the
       default: the forward product; the gradient products, whose
@@ -128,7 +131,7 @@ class Float8Matmul:
   forward_dtype: Any = jnp.float8_e4m3fn
   backward_dtype: Any = jnp.float8_e5m2
   power_of_two: bool = False
-  attention: bool = True
+  attention: bool = False
   fast_accumulation: str = "forward"
   exclude: Any = ()
   keep: tuple = ()
