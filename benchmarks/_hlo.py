@@ -148,6 +148,39 @@ def elements(shape):
   return total
 
 
+#: Bits per element of HLO's element types (others: 32).
+_BITS = {
+  "pred": 8,
+  "s4": 4,
+  "u4": 4,
+  "f4e2m1fn": 4,
+  "s8": 8,
+  "u8": 8,
+  "s16": 16,
+  "u16": 16,
+  "f16": 16,
+  "bf16": 16,
+  "s64": 64,
+  "u64": 64,
+  "f64": 64,
+  "c64": 64,
+  "c128": 128,
+}
+
+
+def nbytes(shape):
+  """The bytes of an array type (a tuple's: the sum of its parts'); float8
+  types (``f8e4m3fn``, ``f8e8m0fnu``, ...) take one byte an element."""
+  total = 0
+  for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    bits = 8 if dtype.startswith("f8") else _BITS.get(dtype, 32)
+    total += n * bits // 8
+  return total
+
+
 def kernel_name(name):
   """The GPU kernel name XLA gives instruction ``name`` (``.`` and ``-`` as ``_``)."""
   return re.sub(r"[^\w]", "_", name)
@@ -396,6 +429,27 @@ class Program:
       if name not in self._stages and max(sizes) > 1:
         counts[cat] += 1
     return counts
+
+  def traffic(self):
+    """``{category: bytes}``: what the kernels of each category read and
+    write, every category a key.
+
+    A kernel's bytes are its results' and its operands' sizes
+    (:func:`nbytes`), each operand counted once: what it moves where it
+    reads each operand whole and once (a kernel that reads part of one, a
+    slice in a fusion, counts all of it). A GEMM custom call's scratch
+    buffer (the ``s8``/``u8`` element of its result tuple) is not counted.
+    A proxy for the time a kernel that is bound by memory bandwidth takes.
+    """
+    out = dict.fromkeys(CATEGORIES, 0)
+    for name, cat in self.categories().items():
+      instr = self.instructions[name]
+      shape = instr.shape
+      if instr.opcode == "custom-call" and GEMM_TARGETS.search(instr.target):
+        shape = re.sub(r",?\s*[su]8\[\d+\]\{[\d,]*\}", "", shape)
+      operands = {o for o in instr.operands if o in self._top}
+      out[cat] += nbytes(shape) + sum(nbytes(self._top[o].shape) for o in operands)
+    return out
 
   def float8_gemms(self):
     """The GEMM kernels with a float8 operand: cuBLASLt's float8 GEMM, or

@@ -96,19 +96,29 @@ def train_entries(model, x, y, check=ols.all_finite):
   return loss_entries(loss_fn, params, (jnp.asarray(x), jnp.asarray(y)), check)
 
 
+def _adam_and_grads(loss_fn, tx):
+  def plain_and_grads(carry, batch):
+    p, s = carry[:2]
+    _, g = jax.value_and_grad(loss_fn)(p, *batch)
+    u, s = tx.update(g, s, p)
+    return (optax.apply_updates(p, u), s), g
+
+  return plain_and_grads
+
+
+def adam_step(loss_fn):
+  """The plain step of :func:`loss_entries`: ``step((params, adam state),
+  batch) -> (params, adam state)``, ``optax.adam(LR)``."""
+  plain_and_grads = _adam_and_grads(loss_fn, optax.adam(LR))
+  return lambda carry, batch: plain_and_grads(carry, batch)[0]
+
+
 def loss_entries(loss_fn, params, batch, check=ols.all_finite):
   """:func:`train_entries` for any ``loss_fn(params, *batch)`` and ``params``."""
   plain_tx = optax.adam(LR)
   scaled_tx = ols.dynamic_loss_scale(optax.adam(LR))
-
-  def plain_and_grads(carry, batch):
-    p, s = carry[:2]
-    _, g = jax.value_and_grad(loss_fn)(p, *batch)
-    u, s = plain_tx.update(g, s, p)
-    return (optax.apply_updates(p, u), s), g
-
-  def plain(carry, batch):
-    return plain_and_grads(carry, batch)[0]
+  plain_and_grads = _adam_and_grads(loss_fn, plain_tx)
+  plain = adam_step(loss_fn)
 
   def plain_and_read(carry, batch):
     (p, s), g = plain_and_grads(carry, batch)
