@@ -291,6 +291,18 @@ def deviceless():
   ).strip()
 
 
+def cuda_plugin_version():
+  """The installed JAX CUDA plugin's package and version, or ``"none"``."""
+  from importlib import metadata
+
+  for name in ("jax-cuda13-plugin", "jax-cuda12-plugin"):
+    try:
+      return f"{name} {metadata.version(name)}"
+    except metadata.PackageNotFoundError:
+      continue
+  return "none"
+
+
 def main(argv=None):
   args = parse_args(argv)
   deviceless()
@@ -302,6 +314,7 @@ def main(argv=None):
     ]
     rows.insert(0, ("device kind", f"{args.target['name']} (compiled for, not run on)"))
     rows.insert(1, ("target config", os.path.relpath(args.target_path, HERE)))
+    rows.insert(2, ("JAX CUDA plugin", cuda_plugin_version()))
   env_lines = environment_lines(rows)
   sharding = target_sharding(args.target_text) if args.target else None
   out = os.path.abspath(args.out)
