@@ -148,9 +148,12 @@ def elements(shape):
   return total
 
 
-#: Bits per element of HLO's element types (others: 32).
+#: Bits per element of HLO's element types.
 _BITS = {
+  "token": 0,
   "pred": 8,
+  "s2": 2,
+  "u2": 2,
   "s4": 4,
   "u4": 4,
   "f4e2m1fn": 4,
@@ -160,23 +163,35 @@ _BITS = {
   "u16": 16,
   "f16": 16,
   "bf16": 16,
+  "s32": 32,
+  "u32": 32,
+  "f32": 32,
   "s64": 64,
   "u64": 64,
   "f64": 64,
   "c64": 64,
   "c128": 128,
 }
+#: A GEMM's scratch buffer: the byte array beside its result in a tuple.
+_SCRATCH = re.compile(r",\s*[su]8\[\d+\](\{[\d,]*\})?")
 
 
 def nbytes(shape):
-  """The bytes of an array type (a tuple's: the sum of its parts'); float8
-  types (``f8e4m3fn``, ``f8e8m0fnu``, ...) take one byte an element."""
+  """The bytes of an array type (a tuple's: the sum of its parts'; a
+  dynamic dimension at its bound). Float8 and float6 types take one byte an
+  element, 4- and 2-bit types are counted packed; an element type not known
+  here is a ``ValueError``."""
   total = 0
-  for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,]*)\]", shape):
+  for dtype, dims in re.findall(r"([a-z][a-z0-9]*)\[([\d,<=]*)\]", shape):
     n = 1
-    for d in filter(None, dims.split(",")):
+    for d in filter(None, dims.replace("<=", "").split(",")):
       n *= int(d)
-    bits = 8 if dtype.startswith("f8") else _BITS.get(dtype, 32)
+    if dtype.startswith(("f8e", "f6e")):
+      bits = 8
+    elif dtype in _BITS:
+      bits = _BITS[dtype]
+    else:
+      raise ValueError(f"unknown element type {dtype!r} in {shape!r}")
     total += n * bits // 8
   return total
 
@@ -437,16 +452,17 @@ class Program:
     A kernel's bytes are its results' and its operands' sizes
     (:func:`nbytes`), each operand counted once: what it moves where it
     reads each operand whole and once (a kernel that reads part of one, a
-    slice in a fusion, counts all of it). A GEMM custom call's scratch
-    buffer (the ``s8``/``u8`` element of its result tuple) is not counted.
+    slice in a fusion, counts all of it). A kernel in a loop's body counts
+    once, not once an iteration. A GEMM's scratch buffer (an ``s8``/``u8``
+    array beside its result in a tuple) is not counted.
     A proxy for the time a kernel that is bound by memory bandwidth takes.
     """
     out = dict.fromkeys(CATEGORIES, 0)
     for name, cat in self.categories().items():
       instr = self.instructions[name]
       shape = instr.shape
-      if instr.opcode == "custom-call" and GEMM_TARGETS.search(instr.target):
-        shape = re.sub(r",?\s*[su]8\[\d+\]\{[\d,]*\}", "", shape)
+      if cat == "GEMM" and shape.startswith("("):  # a custom call's, a fusion's
+        shape = _SCRATCH.sub("", shape)
       operands = {o for o in instr.operands if o in self._top}
       out[cat] += nbytes(shape) + sum(nbytes(self._top[o].shape) for o in operands)
     return out

@@ -9,7 +9,10 @@ JAX's CUDA plugin, which the tests do not install: BENCHMARKS.md has that
 run.
 """
 
+import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import benchmark_modules
 import jax
@@ -25,6 +28,7 @@ pytestmark = pytest.mark.standard_promotion  # optax's adam
 HAND_WRITTEN = (
   pathlib.Path(__file__).parent / "data" / "float8_kernels.hlo"
 ).read_text()
+BENCH = pathlib.Path(__file__).parent.parent / "benchmarks"
 
 #: Each kernel of the hand-written module: its category and the bytes of its
 #: result and of its operands, each operand once (bf16[64,128] is 16384
@@ -71,10 +75,60 @@ def test_hand_written_module_traffic():
     ("pred[]", 1),
     ("(f32[2]{0}, s8[1024]{0})", 8 + 1024),
     ("f64[2,2]", 32),
+    ("s2[8]", 2),
+    ("f6e2m3fn[4]", 4),
+    ("token[]", 0),
+    ("f32[<=8,2]", 64),  # a dynamic dimension at its bound
   ],
 )
 def test_nbytes(shape, size):
   assert hlo.nbytes(shape) == size
+
+
+def test_nbytes_refuses_an_unknown_type():
+  with pytest.raises(ValueError, match="unknown element type 'q7'"):
+    hlo.nbytes("q7[3]")
+
+
+#: A cuBLAS GEMM and a cuDNN GEMM fusion, each with its scratch buffer in a
+#: tuple beside its result (s8 and u8), and a kernel that reads both.
+SCRATCH = """HloModule jit_scratch
+
+%gemm_body (a: bf16[64,32], b: bf16[32,16]) -> (bf16[64,16], u8[4096]) {
+  %a = bf16[64,32]{1,0} parameter(0)
+  %b = bf16[32,16]{1,0} parameter(1)
+  %d = bf16[64,16]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %w = u8[4096]{0} constant({...})
+  ROOT %t = (bf16[64,16]{1,0}, u8[4096]{0}) tuple(%d, %w)
+}
+
+%add_body (p: bf16[64,16], q: bf16[64,16]) -> bf16[64,16] {
+  %p = bf16[64,16]{1,0} parameter(0)
+  %q = bf16[64,16]{1,0} parameter(1)
+  ROOT %s = bf16[64,16]{1,0} add(%p, %q)
+}
+
+ENTRY %main (x: bf16[64,32], y: bf16[32,16]) -> bf16[64,16] {
+  %x = bf16[64,32]{1,0} parameter(0)
+  %y = bf16[32,16]{1,0} parameter(1)
+  %blas = (bf16[64,16], s8[1024]) custom-call(%x,%y), custom_call_target="__cublas$gemm"
+  %dnn = (bf16[64,16]{1,0}, u8[4096]{0}) fusion(%x, %y), kind=kCustom, calls=%gemm_body
+  %r1 = bf16[64,16]{1,0} get-tuple-element(%blas), index=0
+  %r2 = bf16[64,16]{1,0} get-tuple-element(%dnn), index=0
+  ROOT %sum = bf16[64,16]{1,0} fusion(%r1, %r2), kind=kLoop, calls=%add_body
+}
+"""
+
+
+def test_a_gemms_scratch_buffer_is_not_counted():
+  program = hlo.Program(SCRATCH)
+  assert program.categories() == {"blas": "GEMM", "dnn": "GEMM", "sum": "other"}
+  gemm = 2048 + 4096 + 1024  # result, x, y: bytes of bf16[64,16], [64,32], [32,16]
+  assert program.traffic() == {
+    **dict.fromkeys(hlo.CATEGORIES, 0),
+    "GEMM": 2 * gemm,
+    "other": 3 * 2048,
+  }
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +173,7 @@ def test_attention_in_float8_adds_amax_and_cast_passes(decoder_steps):
   [
     (["--sizes", "32:2:3:16:2"], "multiple of heads"),
     (["--target", "/nonexistent.txtpb"], "No such file"),
+    (["--small", "--target", "/nonexistent.txtpb"], "takes no --target"),
   ],
 )
 def test_bad_arguments_are_refused(argv, message, capsys, tmp_path):
@@ -138,6 +193,26 @@ def test_a_target_without_its_bandwidth_is_refused(tmp_path, capsys):
 def test_the_shipped_target_is_read():
   _, target = traffic.read_target(traffic.DEFAULT_TARGET)
   assert target == {"name": "NVIDIA H200", "bandwidth": 4_800_000_000_000}
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+  importlib.util.find_spec("jax_plugins") is not None,
+  reason="a JAX plugin is installed: the script would compile for the GPU",
+)
+def test_without_the_cuda_plugin_the_script_says_what_it_needs(tmp_path):
+  out = tmp_path / "report.md"
+  proc = subprocess.run(
+    [sys.executable, str(BENCH / "float8_traffic.py"), "--out", str(out)],
+    capture_output=True,
+    text=True,
+    cwd=BENCH.parent,
+    timeout=300,
+  )
+  assert proc.returncode != 0
+  assert "cannot compile for NVIDIA H200" in proc.stderr, proc.stderr[-2000:]
+  assert "pip install -e '.[cuda]'" in proc.stderr
+  assert not out.exists()
 
 
 @pytest.mark.integration

@@ -82,9 +82,10 @@ _FAST = ("forward", "all", "none")
 class Float8Matmul:
   """How :func:`~optax_lossscale.autocast` runs matmuls in float8.
 
-  Each ``dot_general`` with floating operands becomes a float8 matmul with
-  current per-tensor scaling: both inputs are quantised to
-  ``forward_dtype`` with ``scale = max(forward_dtype) / amax``, multiplied
+  Each ``dot_general`` with floating operands (but attention's, unless
+  ``attention``) becomes a float8 matmul with current per-tensor scaling:
+  both inputs are quantised to ``forward_dtype`` with
+  ``scale = max(forward_dtype) / amax``, multiplied
   with float32 accumulation and rescaled; in the backward pass the output
   gradient is quantised to ``backward_dtype`` and multiplied with the saved
   float8 inputs. An amax of zero or one that is not finite gives scale 1: a
