@@ -271,6 +271,8 @@ def parse_args(argv=None):
   args = parser.parse_args(argv)
   if args.small and args.target != DEFAULT_TARGET:
     parser.error("--small compiles for this CPU: it takes no --target")
+  if args.vocab < 1:
+    parser.error("--vocab must be at least 1")
   small_defaults(parser, args, SMALL)
   try:
     args.size_list = parse_sizes(args.sizes)

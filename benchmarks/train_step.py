@@ -118,7 +118,9 @@ def loss_entries(loss_fn, params, batch, check=ols.all_finite):
   plain_tx = optax.adam(LR)
   scaled_tx = ols.dynamic_loss_scale(optax.adam(LR))
   plain_and_grads = _adam_and_grads(loss_fn, plain_tx)
-  plain = adam_step(loss_fn)
+
+  def plain(carry, batch):
+    return plain_and_grads(carry, batch)[0]
 
   def plain_and_read(carry, batch):
     (p, s), g = plain_and_grads(carry, batch)

@@ -174,6 +174,7 @@ def test_attention_in_float8_adds_amax_and_cast_passes(decoder_steps):
     (["--sizes", "32:2:3:16:2"], "multiple of heads"),
     (["--target", "/nonexistent.txtpb"], "No such file"),
     (["--small", "--target", "/nonexistent.txtpb"], "takes no --target"),
+    (["--small", "--vocab", "0"], "--vocab must be at least 1"),
   ],
 )
 def test_bad_arguments_are_refused(argv, message, capsys, tmp_path):
