@@ -85,6 +85,10 @@ from optax_lossscale._params.master import MasterWeights as MasterWeights
 from optax_lossscale._params.master import MasterWeightsState as MasterWeightsState
 from optax_lossscale._params.master import get_master_weights as get_master_weights
 from optax_lossscale._params.master import master_weights as master_weights
+from optax_lossscale._params.quantize_state import (
+  FlatQuantizedState as FlatQuantizedState,
+)
+from optax_lossscale._params.quantize_state import GroupedLeaf as GroupedLeaf
 from optax_lossscale._params.quantize_state import QuantizedLeaf as QuantizedLeaf
 from optax_lossscale._params.quantize_state import QuantizedState as QuantizedState
 from optax_lossscale._params.quantize_state import StateQuantizer as StateQuantizer
@@ -117,6 +121,8 @@ __all__ = (
   "LossScaleState",
   "MasterWeights",
   "MasterWeightsState",
+  "FlatQuantizedState",
+  "GroupedLeaf",
   "QuantizedLeaf",
   "QuantizedState",
   "StateQuantizer",

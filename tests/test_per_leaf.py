@@ -213,6 +213,10 @@ WRAPPERS = {
   "track_nonfinite": (lambda i: ols.dynamic_loss_scale(i, track_nonfinite=True), F16),
   "master_weights": (lambda i: ols.master_weights(i), BF16),
   "quantize_state": (lambda i: ols.quantize_state(i, min_size=0), F32),
+  "quantize_state, flat": (
+    lambda i: ols.quantize_state(i, min_size=0, layout="flat"),
+    F32,
+  ),
   "loss scale(master_weights)": (
     lambda i: ols.dynamic_loss_scale(ols.master_weights(i)),
     BF16,
@@ -380,6 +384,13 @@ PLANS = {
   ),
   "master_weights(quantize_state)": (
     lambda: ols.master_weights(ols.quantize_state(optax.adam(1e-3), min_size=0)),
+    BF16,
+    {"a": "float32", "b": "float32"},
+  ),
+  "master_weights(quantize_state, flat)": (
+    lambda: ols.master_weights(
+      ols.quantize_state(optax.adam(1e-3), min_size=0, layout="flat")
+    ),
     BF16,
     {"a": "float32", "b": "float32"},
   ),

@@ -19,9 +19,11 @@ from optax_lossscale._base import tree as _tree
 __all__ = [
   "HalfByDesign",
   "KeepsFloat32Masters",
+  "StoredInGroup",
   "StoredQuantized",
   "holds_masters",
   "is_half_by_design",
+  "is_in_group",
   "is_quantized",
   "keeps_masters",
   "state_leaves",
@@ -67,6 +69,19 @@ class StoredQuantized(Protocol):
   scales: Any
 
 
+@runtime_checkable
+class StoredInGroup(Protocol):
+  """A state leaf stored block-quantised in a buffer it shares with other
+  leaves (``quantize_state``'s flat layout): the inner transformation made
+  it in ``dtype``; ``block_size`` elements share a scale. It holds no
+  array: its group's buffer, a :class:`StoredQuantized` leaf, holds its
+  values."""
+
+  stored_in_group: ClassVar[bool]
+  dtype: Any
+  block_size: int
+
+
 def keeps_masters(x: Any) -> bool:
   """Whether ``x`` is a :class:`KeepsFloat32Masters` state (a class, not an
   instance, is not)."""
@@ -83,12 +98,18 @@ def is_quantized(x: Any) -> bool:
   return _declares(x, StoredQuantized)
 
 
+def is_in_group(x: Any) -> bool:
+  """Whether ``x`` is a :class:`StoredInGroup` state leaf."""
+  return _declares(x, StoredInGroup)
+
+
 def state_leaves(tree: Any) -> list[tuple[tuple, Any]]:
   """The leaves of an optimizer state as an inspector must read them.
 
-  Every array leaf, and every :class:`StoredQuantized` leaf whole (its
-  ``dtype`` is the dtype the optimizer computes it in, which its codes and
-  scales, arrays of other dtypes, do not show); ``nnx`` variables are read
+  Every array leaf, and every :class:`StoredQuantized` and
+  :class:`StoredInGroup` leaf whole (its ``dtype`` is the dtype the
+  optimizer computes it in, which its codes and scales, arrays of other
+  dtypes, do not show); ``nnx`` variables are read
   through (the path stops at the variable), at any depth. The one walk
   behind every reader of a state's dtypes and values (the float16 state
   warning, ``check_skipped_steps``' suspects, the checkpoint guard, the
@@ -96,17 +117,23 @@ def state_leaves(tree: Any) -> list[tuple[tuple, Any]]:
 
   Returns:
     ``(key path, leaf)`` pairs in ``jax.tree`` order; a leaf is an array (or
-    other non-pytree leaf) or a :class:`StoredQuantized` leaf.
+    other non-pytree leaf), a :class:`StoredQuantized` or a
+    :class:`StoredInGroup` leaf.
   """
   out: list[tuple[tuple, Any]] = []
 
   def visit(node: Any, prefix: tuple) -> None:
-    if is_quantized(node):
+    if is_quantized(node) or is_in_group(node):
       out.append((prefix, node))
       return
-    stop = lambda x: x is not node and (is_quantized(x) or _tree.is_variable(x))  # noqa: E731
+    stop = lambda x: (
+      x is not node
+      and (  # noqa: E731
+        is_quantized(x) or is_in_group(x) or _tree.is_variable(x)
+      )
+    )
     for path, x in jax.tree_util.tree_flatten_with_path(node, is_leaf=stop)[0]:
-      if is_quantized(x) or _tree.is_variable(x):
+      if is_quantized(x) or is_in_group(x) or _tree.is_variable(x):
         visit(_tree.unwrap(x), prefix + path)
       else:
         out.append((prefix + path, x))

@@ -196,7 +196,7 @@ def _quantized_by_owner(inner_state: Any, param_paths: list) -> dict[str, list[s
   owners = {tuple(p): _tree.keystr(p) for p in param_paths}
   out: dict[str, list[str]] = {}
   for path, x in _roles.state_leaves(inner_state):
-    if not _roles.is_quantized(x):
+    if not (_roles.is_quantized(x) or _roles.is_in_group(x)):
       continue
     owner = owners.get(_tree.owner_path(path, owners))
     if owner is not None:

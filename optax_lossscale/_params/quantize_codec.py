@@ -363,34 +363,44 @@ def encode(
 
 
 def encode_many(
-  xs: list, block_size: int, sqrt: bool = True, stochastic: bool = False
+  xs: list,
+  block_size: int,
+  sqrt: bool = True,
+  stochastic: bool = False,
+  firsts: list | None = None,
 ) -> list:
   """:func:`encode` of each of ``xs``, arrays of one shape (and sharding),
   whose blocks' extremes one reduction finds: it reads what the arrays are
   computed from (a gradient, Adam's two moments) once, not once an array
-  (BENCHMARKS.md, 8-bit state)."""
+  (BENCHMARKS.md, 8-bit state). ``firsts``: for a one-dimensional array
+  holding several leaves, per block (shape ``(blocks, 1)``) what to add to
+  an element's index to make it its index in its own leaf, which the
+  stochastic rounding's random numbers hash."""
   for x in xs:
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(
         f"quantize_state encodes real floating arrays, got a {jnp.dtype(x.dtype).name} "
         f"array of shape {tuple(x.shape)}."
       )
-  return _encode_many(list(xs), block_size, sqrt, stochastic)
+  return _encode_many(list(xs), firsts, block_size, sqrt, stochastic)
 
 
 # One program, not hundreds of operations dispatched one by one where it
 # runs outside a jitted function (an optimizer's init, usually); inside one
 # it is inlined.
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _encode_many(xs: list, block_size: int, sqrt: bool, stochastic: bool) -> list:
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _encode_many(
+  xs: list, firsts, block_size: int, sqrt: bool, stochastic: bool
+) -> list:
   # The codes are integers: like rounding, quantising has no derivative, so
   # the stored state carries none (its scales would carry a partial one).
   xs = [jax.lax.stop_gradient(x) for x in xs]
   blocked = [_blocked(x.astype(_F32), block_size) for x in xs]
   extremes = block_extremes([b for b, _ in blocked])
+  firsts = [0] * len(xs) if firsts is None else firsts
   return [
-    _encode_blocks(x, b, k, *extremes[n], block_size, sqrt, stochastic)
-    for n, (x, (b, k)) in enumerate(zip(xs, blocked, strict=True))
+    _encode_blocks(x, b, *extremes[n], block_size, sqrt, stochastic, firsts[n])
+    for n, (x, (b, _)) in enumerate(zip(xs, blocked, strict=True))
   ]
 
 
@@ -404,11 +414,10 @@ _SIGNED_SCALE = np.float32(1) / _SIGNED_END
 _HUGE = np.float32(2.0**126)
 
 
-def _encode_blocks(x, b, k, lo, hi, block_size, sqrt, stochastic) -> QuantizedLeaf:
-  """``x`` (blocked as ``b`` from axis ``k``) quantised, given each block's
-  least and largest values."""
-  del k  # the blocks' first axis, which unblocked finds again
-  idx, scales = code_blocks(b, lo, hi, sqrt, stochastic)
+def _encode_blocks(x, b, lo, hi, block_size, sqrt, stochastic, first) -> QuantizedLeaf:
+  """``x`` (blocked as ``b``) quantised, given each block's least and
+  largest values (``first``: as :func:`code_blocks` takes it)."""
+  idx, scales = code_blocks(b, lo, hi, sqrt, stochastic, first)
   codes = _as_sharded_as(unblocked(idx.astype(jnp.uint8), x.shape, block_size), x)
   return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
 
@@ -441,7 +450,8 @@ def code_blocks(b, lo, hi, sqrt, stochastic, first=0) -> tuple[jax.Array, jax.Ar
   """The codes (int32, ``b``'s shape) and scales (one a block) of ``b``,
   float32 blocked along its last axis, given each block's least and largest
   values: the one encoder every path uses. ``first`` is the flat index of
-  ``b``'s first element in its leaf's blocks (a kernel's tile), which the
+  ``b``'s first element in its leaf's blocks (a kernel's tile), or an
+  array of such offsets a block (the flat layout's buffer), which the
   stochastic rounding's random numbers hash."""
   lo, hi = lo[..., None], hi[..., None]
   signed = lo < 0

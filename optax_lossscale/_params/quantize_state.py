@@ -29,6 +29,7 @@ Quantization"):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -44,15 +45,20 @@ from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._base.init_memo import InitMemo
 from optax_lossscale._params import moments as _moments
+from optax_lossscale._params import quantize_flat as _flat
 from optax_lossscale._params.quantize_codec import (
   QuantizedLeaf,
   dynamic_map,
   encode,
   encode_many,
-  layout,
 )
+from optax_lossscale._params.quantize_codec import layout as _leaf_layout
+
+GroupedLeaf = _flat.GroupedLeaf
 
 __all__ = [
+  "FlatQuantizedState",
+  "GroupedLeaf",
   "QuantizedLeaf",
   "QuantizedState",
   "StateQuantizer",
@@ -65,6 +71,7 @@ _BITS = (8,)
 #: Every leaf is padded to whole blocks: a larger block would only waste memory.
 _MAX_BLOCK = 2**16
 _ROUNDINGS = ("nearest", "stochastic")
+_LAYOUTS = ("leaf", "flat")
 
 
 # --------------------------------------------------------------------------
@@ -84,6 +91,22 @@ class QuantizedState(NamedTuple):
   inner_state: Any
 
 
+class FlatQuantizedState(NamedTuple):
+  """State of :func:`quantize_state` with ``layout="flat"``.
+
+  Attributes:
+    inner_state: the wrapped transformation's state, each quantised leaf a
+      :class:`GroupedLeaf` (which holds no array: where its values are in
+      ``groups``; the others as the inner transformation made them).
+    groups: one :class:`QuantizedLeaf` of one dimension a moment field and
+      dtype (Adam's ``mu`` of the float32 parameters), its leaves' blocks
+      one after another.
+  """
+
+  inner_state: Any
+  groups: tuple
+
+
 @_tree.rebuilt_as_itself
 class StateQuantizer(optax.GradientTransformationExtraArgs):
   """What :func:`quantize_state` returns: an optax transformation (its
@@ -91,7 +114,8 @@ class StateQuantizer(optax.GradientTransformationExtraArgs):
 
   Attributes:
     inner: the wrapped transformation.
-    bits, block_size, min_size, store_sqrt, rounding: as given.
+    bits, block_size, min_size, store_sqrt, rounding, select, layout: as
+      given.
   """
 
   def __new__(cls, init, update, inner, check=None, **options):
@@ -112,6 +136,10 @@ class StateQuantizer(optax.GradientTransformationExtraArgs):
 
 def _is_quantized(x: Any) -> bool:
   return isinstance(x, QuantizedLeaf)
+
+
+def _is_stored(x: Any) -> bool:
+  return isinstance(x, (QuantizedLeaf, GroupedLeaf))
 
 
 def _dequantized(tree: Any, cast: bool) -> Any:
@@ -138,6 +166,7 @@ def quantize_state(
   store_sqrt: bool = True,
   rounding: str = "nearest",
   select: Callable[[tuple, Any], bool] | None = None,
+  layout: str = "leaf",
 ) -> StateQuantizer:
   """``inner`` with its moments stored in 8 bits, blockwise.
 
@@ -253,6 +282,9 @@ def quantize_state(
     raise ValueError(f"`inner` must be an optax GradientTransformation, got {inner!r}.")
   if select is not None and not callable(select):
     raise ValueError(f"`select` must be None or a function, got {select!r}.")
+  if not isinstance(layout, str) or layout not in _LAYOUTS:
+    raise ValueError(f"`layout` must be one of {_LAYOUTS}, got {layout!r}.")
+  flat = layout == "flat"
   wrapped = optax.with_extra_args_support(inner)
   memo = InitMemo(wrapped.init)
 
@@ -286,19 +318,41 @@ def quantize_state(
       )
     return out
 
-  def quantized(inner_state, shapes):
+  def quantized(inner_state, params):
     leaves, treedef = jax.tree.flatten(inner_state)
-    for i in chosen(inner_state, shapes):
+    picked = chosen(inner_state, _shapes(params))
+    if flat:
+      _flat.check_unsharded([leaves[i] for i in picked])
+      state, groups = _flat.grouped(inner_state, picked, params, block_size, store_sqrt)
+      values = [
+        jnp.concatenate([_flat.padded_flat(leaves[i], block_size) for i in idx])
+        for idx, _ in groups
+      ]
+      members = [
+        [jax.tree.leaves(state, is_leaf=_flat.is_grouped)[i] for i in idx]
+        for idx, _ in groups
+      ]
+      coded = _flat.encode_groups(values, members, block_size, store_sqrt, stochastic)
+      coded = [
+        dataclasses.replace(q, dtype=g.dtype)
+        for q, (_, g) in zip(coded, groups, strict=True)
+      ]
+      return FlatQuantizedState(state, tuple(coded))
+    for i in picked:
       leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic)
-    return jax.tree.unflatten(treedef, leaves)
+    return QuantizedState(jax.tree.unflatten(treedef, leaves))
 
   def expected(params):
     """The state ``init_fn(params)`` makes, abstract, without encoding
     anything: the quantised leaves' layouts follow from their shapes."""
     inner_state = memo.made(params)  # init is not traced again
     leaves, treedef = jax.tree.flatten(inner_state)
-    for i in chosen(inner_state, _shapes(params)):
-      leaves[i] = layout(leaves[i], block_size, store_sqrt)
+    picked = chosen(inner_state, _shapes(params))
+    if flat:
+      state, groups = _flat.grouped(inner_state, picked, params, block_size, store_sqrt)
+      return FlatQuantizedState(state, tuple(g for _, g in groups))
+    for i in picked:
+      leaves[i] = _leaf_layout(leaves[i], block_size, store_sqrt)
     return QuantizedState(jax.tree.unflatten(treedef, leaves))
 
   def init_fn(params):
@@ -309,7 +363,7 @@ def quantize_state(
         "master weights would be quantised. Put quantize_state inside it: "
         "master_weights(quantize_state(optax.adam(...)))."
       )
-    return QuantizedState(quantized(inner_state, _shapes(params)))
+    return quantized(inner_state, params)
 
   def requantized(template, new_state, like):
     """``new_state`` quantised where ``template`` (the old state) was; the
@@ -334,12 +388,27 @@ def quantize_state(
     return jax.tree.unflatten(treedef, out)
 
   def check(state, like):
-    _opt_state.check_state_type("quantize_state", state, QuantizedState)
+    _opt_state.check_state_type(
+      "quantize_state", state, FlatQuantizedState if flat else QuantizedState
+    )
     _check_layout(expected(like), state)
 
   def update_fn(updates, state, params=None, **extra_args):
     like = params if params is not None else updates
     check(state, like)
+    if flat:
+      new_updates, new_inner, groups = _flat.flat_update(
+        wrapped.update,
+        updates,
+        state.inner_state,
+        state.groups,
+        params,
+        extra_args,
+        block_size,
+        store_sqrt,
+        stochastic,
+      )
+      return new_updates, FlatQuantizedState(new_inner, groups)
     inner_state = _dequantized(state.inner_state, cast=True)
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
     return new_updates, QuantizedState(requantized(state.inner_state, new_inner, like))
@@ -355,6 +424,7 @@ def quantize_state(
     store_sqrt=store_sqrt,
     rounding=rounding,
     select=select,
+    layout=layout,
   )
 
 
@@ -387,8 +457,8 @@ def _check_layout(expected: Any, state: Any) -> None:
   leaf may change dtype in an update (Adam's ``mu`` of bfloat16 parameters
   becomes float32 with float32 gradients), and ``expected`` is made from
   the gradients' dtypes when ``update`` is given no parameters."""
-  got = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_quantized)[0]
-  want = jax.tree_util.tree_flatten_with_path(expected, is_leaf=_is_quantized)[0]
+  got = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_stored)[0]
+  want = jax.tree_util.tree_flatten_with_path(expected, is_leaf=_is_stored)[0]
   got_d, want_d = dict(got), dict(want)
   for path in [p for p, _ in want] + [p for p, _ in got]:
     g, w = got_d.get(path), want_d.get(path)
@@ -411,6 +481,11 @@ def _describe(x: Any, dtype: bool = True) -> str:
     return (
       f"quantised {name(x.dtype)}{list(x.codes.shape)} (scales "
       f"{list(x.scales.shape)}, block_size {x.block_size}, store_sqrt {x.sqrt})"
+    )
+  if isinstance(x, GroupedLeaf):
+    return (
+      f"quantised {name(x.dtype)}{list(x.shape)} in group {x.group} from "
+      f"{x.start} (block_size {x.block_size}, store_sqrt {x.sqrt})"
     )
   if getattr(x, "dtype", None) is None:
     return type(x).__name__
@@ -437,7 +512,8 @@ def dequantize_state(state: Any) -> Any:
     ValueError: ``state`` holds no quantised leaf.
   """
   state = _opt_state.optimizer_state(state)
-  is_q = lambda x: isinstance(x, QuantizedState) or _is_quantized(x)  # noqa: E731
+  states = (QuantizedState, FlatQuantizedState)
+  is_q = lambda x: isinstance(x, states) or _is_quantized(x)  # noqa: E731
   if not _tree.find_all(state, is_q):
     raise ValueError(
       f"dequantize_state: the state (a {type(state).__name__}) holds no "
@@ -445,6 +521,8 @@ def dequantize_state(state: Any) -> Any:
     )
 
   def node(x):
+    if isinstance(x, FlatQuantizedState):
+      return _flat.dequantized(x.inner_state, x.groups, cast=False)
     if isinstance(x, QuantizedState):
       return _dequantized(x.inner_state, cast=False)
     return _dequantized(x, cast=False)

@@ -186,3 +186,59 @@ def test_adam_8bit_sharded_keeps_one_devices_state(mode):
       assert np.all(np.abs(p - q)[finite] <= gap[finite]), k
       assert np.array_equal(np.isfinite(p), finite), k
       before = q
+
+
+def _flat_history(params, step_grads):
+  tx = ols.dynamic_loss_scale(
+    ols.quantize_state(optax.adam(1e-2), min_size=1024, layout="flat"),
+    initial_scale=2.0**10,
+  )
+
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return optax.apply_updates(params, updates), state
+
+  state = jax.jit(tx.init)(params)
+  history = []
+  for g in step_grads:
+    params, state = step(params, state, g)
+    history.append(jax.device_get((params, state)))
+  return history
+
+
+def test_the_flat_layout_under_automatic_sharding_keeps_one_devices_state():
+  # The flat layout's buffers are not sharded as the parameters are (the
+  # guide says so), but its state is one device's, bit for bit. The
+  # parameters differ by a rounding a step at most (of the parameter, or of
+  # the update, which is below ten times the learning rate, 0.1): the
+  # partitioned program fuses the update's last multiply with the addition
+  # to the parameters (an FMA) where one device's does not, in a few entries.
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  shardings = {k: NamedSharding(mesh, s) for k, (_, s) in SPECS.items()}
+  step_grads = [grads(t) for t in range(STEPS)]
+  one = _flat_history(init_params(), step_grads)
+  sharded = _flat_history(
+    jax.device_put(init_params(), shardings),
+    [jax.device_put(g, shardings) for g in step_grads],
+  )
+  assert_bitwise_equal([s for _, s in sharded], [s for _, s in one])
+  for t, ((p_sharded, _), (p_one, _)) in enumerate(zip(sharded, one, strict=True)):
+    for k in p_one:
+      np.testing.assert_allclose(
+        p_sharded[k],
+        p_one[k],
+        rtol=(t + 1) * np.finfo(np.float32).eps,
+        atol=(t + 1) * np.spacing(np.float32(0.1)),
+      )
+  assert int(one[-1][1].skipped_steps) == 1
+
+
+@versions.explicit_sharding
+def test_the_flat_layout_refuses_explicitly_sharded_leaves():
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  shardings = {k: NamedSharding(mesh, s) for k, (_, s) in SPECS.items()}
+  params = jax.device_put(init_params(), shardings)
+  tx = ols.quantize_state(optax.adam(1e-2), min_size=1024, layout="flat")
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="layout='leaf'"):
+    tx.init(params)
