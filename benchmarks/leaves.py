@@ -12,8 +12,9 @@
   floor of an exact skip), ``dynamic_loss_scale``,
   optax's ``apply_if_finite`` (for comparison), ``quantize_state`` and
   ``dynamic_loss_scale(master_weights(quantize_state))`` on bfloat16
-  parameters, alone and inside ``lax.scan``, as ratios to adam, with the
-  lines XLA printed while compiling.
+  parameters, both also with ``layout="flat"``, alone and inside
+  ``lax.scan``, as ratios to adam, with the lines XLA printed while
+  compiling.
 
 Run:  python benchmarks/leaves.py [--quick] [--sections leaves,distinct,finite,tree]
 """
@@ -245,6 +246,16 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
         ols.master_weights(ols.quantize_state(optax.adam(LR)))
       ),
     ),
+    "quantize_state(adam, layout='flat')": (
+      jnp.float32,
+      lambda: ols.quantize_state(optax.adam(LR), layout="flat"),
+    ),
+    "dls(master_weights(quantize_state(adam, layout='flat'))), bf16": (
+      jnp.bfloat16,
+      lambda: ols.dynamic_loss_scale(
+        ols.master_weights(ols.quantize_state(optax.adam(LR), layout="flat"))
+      ),
+    ),
   }
   results, rows, size_rows, printed = [], [], [], []
   for blocks in block_counts:
@@ -304,6 +315,8 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
     "apply_if_finite",
     "8-bit",
     "all three",
+    "8-bit, flat",
+    "all three, flat",
   ]
   header = ["leaves"] + [
     f"{n}{' in scan' if scanned else ''}" for scanned in scans for n in names
@@ -317,7 +330,8 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
     "`apply_if_finite(adam, 10)` (its skip of non-finite steps, for "
     "comparison), `quantize_state(adam)` (8-bit) and "
     "`dynamic_loss_scale(master_weights(quantize_state(adam)))` on bfloat16 "
-    "parameters (all three); in scan: "
+    "parameters (all three), and both with `quantize_state(..., "
+    'layout="flat")` (flat); in scan: '
     f"{scan_steps} steps in one `lax.scan`. Lines XLA printed while "
     f"compiling: {len(printed)}."
     + (
@@ -325,7 +339,8 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
       "compiled step's optimised HLO text, adam's and as ratios to it. Compile "
       "time grows with them: XLA compiles each fused kernel on its own, so work "
       "repeated for each leaf (an 8-bit leaf's decoder and encoder) is compiled "
-      "once per leaf."
+      "once per leaf; the flat layout's codec is compiled once per moment "
+      "field."
       if size_rows
       else ""
     ),

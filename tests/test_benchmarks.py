@@ -687,7 +687,8 @@ def test_bf16_params_bytes_per_parameter_follow_from_the_dtypes():
 def test_the_tree_compile_section_reports_its_floor_and_what_xla_compiled(tmp_path):
   """``leaves.py --sections tree``: compile-time ratios with the unused
   check (the skip's floor) beside the loss scale, and the lines of HLO XLA
-  compiled, in which the 8-bit step is the largest; nothing XLA printed."""
+  compiled, in which the per-leaf 8-bit step is the largest and the flat
+  layout's a small fraction of it; nothing XLA printed."""
   out = tmp_path / "leaves.md"
   script = os.path.join(_BENCH, "leaves.py")
   command = [sys.executable, script, "--quick", "--sections", "tree", "--out", out]
@@ -695,7 +696,7 @@ def test_the_tree_compile_section_reports_its_floor_and_what_xla_compiled(tmp_pa
   text = out.read_text()
   assert "Lines XLA printed while compiling: 0." in text
   names = ["adam", "unused check", "loss scale", "apply_if_finite", "8-bit"]
-  names.append("all three")
+  names += ["all three", "8-bit, flat", "all three, flat"]
   header = "| leaves | " + " | ".join(names) + " |"
   first = text.index(header)
   seconds = report_tables.table(text[first:], header)
@@ -708,3 +709,5 @@ def test_the_tree_compile_section_reports_its_floor_and_what_xla_compiled(tmp_pa
   ratio = {n: report_tables.number(hlo[n]) for n in names[1:]}
   assert 1 <= ratio["unused check"] <= ratio["loss scale"] < ratio["8-bit"]
   assert ratio["8-bit"] < ratio["all three"]
+  assert ratio["8-bit, flat"] < ratio["8-bit"] / 2
+  assert ratio["all three, flat"] < ratio["all three"]
