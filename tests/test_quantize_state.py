@@ -338,10 +338,11 @@ def test_the_step_reads_less_than_float32_adams(rounding):
   assert temp < 4 * n
 
 
-def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path, layout):
   ocp = pytest.importorskip("orbax.checkpoint")
   p0 = _params()
-  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3)))
+  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3), layout=layout))
 
   @jax.jit
   def step(params, state, g):
