@@ -191,3 +191,57 @@ def test_lanes_mixed_by_one_operation_are_evaluated_as_traced():
   )
   for w, x in zip(jax.jit(fn)(*args), outs, strict=True):
     np.testing.assert_array_equal(w, x)
+
+
+def _same_as_traced(fn, args, lanes, shapes):
+  closed = jax.make_jaxpr(fn)(*args)
+  n_out = len(jax.eval_shape(fn, *args))
+  outs, _ = _lanes.flat_evaluate(
+    closed, args, lanes, ["v"] * len(args), lanes[:n_out], ["u"] * n_out, shapes, 4
+  )
+  for w, x in zip(jax.jit(fn)(*args), outs, strict=True):
+    np.testing.assert_array_equal(w, x)
+
+
+def test_a_reshape_or_broadcast_that_reorders_is_not_an_identity():
+  x, y = jnp.arange(9.0).reshape(3, 3), jnp.arange(16.0).reshape(4, 4) * 2
+
+  def transposing_reshape(a, b):
+    def one(v):
+      return jax.lax.reshape(v, v.shape, dimensions=(1, 0)) * 2.0 + v
+
+    return one(a), one(b)
+
+  def permuting_broadcast(a, b):
+    def one(v):
+      return jax.lax.broadcast_in_dim(v, v.shape[::-1], (1, 0)) + v
+
+    return one(a), one(b)
+
+  for fn in (transposing_reshape, permuting_broadcast):
+    _same_as_traced(fn, [x, y], ["x", "y"], {"x": (3, 3), "y": (4, 4)})
+
+
+def test_zero_dimensional_lanes_are_evaluated_as_traced():
+  # select_n of a 0-d lane and a 0-d number: flat, its cases would differ
+  def fn(a, b):
+    def one(v):
+      return jnp.where(v > 0, v * 2.0, 1.0), jax.lax.select(v > 0, v, jnp.float32(3.0))
+
+    return (*one(a), *one(b))
+
+  args = [jnp.float32(0.5), jnp.float32(-2.0)]
+  closed = jax.make_jaxpr(fn)(*args)
+  lanes = ["x", "y"]
+  outs, _ = _lanes.flat_evaluate(
+    closed,
+    args,
+    lanes,
+    ["v", "v"],
+    ["x", "x", "y", "y"],
+    ["u", "w", "u", "w"],
+    {"x": (), "y": ()},
+    4,
+  )
+  for w, x in zip(jax.jit(fn)(*args), outs, strict=True):
+    np.testing.assert_array_equal(w, x)

@@ -282,3 +282,26 @@ def test_states_of_the_other_layout_or_other_parameters_are_value_errors():
 def test_a_bad_layout_is_a_value_error(layout):
   with pytest.raises(ValueError, match="layout"):
     ols.quantize_state(optax.adam(1e-3), layout=layout)
+
+
+@pytest.mark.parametrize(
+  "params",
+  [
+    {"t": jnp.float32(0.5), "w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)},
+    jnp.float32(0.5),
+  ],
+  ids=["a scalar beside a matrix", "a bare scalar"],
+)
+@pytest.mark.parametrize("inner", ["adagrad", "adam"])
+def test_scalar_parameters_quantised_as_the_per_leaf_layout_does(params, inner):
+  # min_size=0 quantises a scalar's moments too; a bare scalar's path owns
+  # every state leaf of its shape (Adam's count among them)
+  make = {"adagrad": lambda: optax.adagrad(1e-2), "adam": lambda: optax.adam(1e-2)}[
+    inner
+  ]
+  results = []
+  for layout in ("leaf", "flat"):
+    tx = ols.quantize_state(make(), min_size=0, block_size=64, layout=layout)
+    results.append(_train(tx, params))
+  _same(results[0][0], results[1][0])
+  _same(ols.dequantize_state(results[0][1]), ols.dequantize_state(results[1][1]))

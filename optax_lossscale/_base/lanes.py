@@ -227,8 +227,13 @@ class _Analysis:
       return
     lane = next(iter(lanes)) if len(lanes) == 1 else None
     shape = self.shapes.get(lane) if lane is not None else None
-    operands_ok = lane is not None and all(
-      kk in ("s", "b") or kk == ("l", lane) for kk in kinds
+    # A 0-d lane's operations mix it with 0-d numbers as with its equals:
+    # flat, those would not broadcast alike (select_n's cases), so it is
+    # evaluated as traced.
+    operands_ok = (
+      lane is not None
+      and shape != ()
+      and all(kk in ("s", "b") or kk == ("l", lane) for kk in kinds)
     )
     if operands_ok and len(outs) == 1:
       out_shape = self.aval[outs[0]].shape
@@ -240,6 +245,7 @@ class _Analysis:
         name in _SAME_ORDER
         and kinds == [("l", lane)]
         and math.prod(out_shape) == math.prod(self._shape(e.ins[0]))
+        and _keeps_order(e.eqn)
       ):
         # the same flat values: another name for its operand's
         self.kind[outs[0]], self.local[outs[0]] = ("l", lane), self.local[e.ins[0]]
@@ -259,6 +265,19 @@ class _Analysis:
 
   def _shape(self, k: Any) -> tuple:
     return tuple(np.shape(k.val)) if isinstance(k, _Lit) else tuple(self.aval[k].shape)
+
+
+def _keeps_order(eqn: Any) -> bool:
+  """Whether a :data:`_SAME_ORDER` equation (its operand and result of one
+  size) leaves the elements in their row-major order: not a reshape that
+  transposes first (``dimensions``), nor a broadcast that permutes axes."""
+  params = eqn.params
+  if eqn.primitive.name == "reshape":
+    return params.get("dimensions") is None
+  if eqn.primitive.name == "broadcast_in_dim":
+    dims = tuple(params["broadcast_dimensions"])
+    return dims == tuple(sorted(dims))
+  return True
 
 
 def _params(eqn: Any) -> tuple:
