@@ -437,6 +437,11 @@ def flat_evaluate(
     return b_env[(k, n)]
 
   def flat_value(g: int, i: int) -> Any:
+    # The program's entries before i first, in order: what entry i reads
+    # is then there (no recursion as deep as the program is long).
+    for j in range(i):
+      if (g, j) not in flat_env:
+        flat_value(g, j)
     if (g, i) not in flat_env:
       lanes = members[g]
       k = a.of_local[(lanes[0], i)]

@@ -92,7 +92,7 @@ def _lane(path: tuple, x: Any, owners: dict, shapes: list) -> tuple[Any, tuple]:
 def _owners(like: Any) -> tuple[dict, list]:
   with_paths = jax.tree_util.tree_flatten_with_path(like)[0]
   owners = {tuple(p): i for i, (p, _) in enumerate(with_paths)}
-  return owners, [tuple(x.shape) for _, x in with_paths]
+  return owners, [tuple(np.shape(x)) for _, x in with_paths]
 
 
 def grouped(
@@ -246,34 +246,33 @@ def flat_update(
   ]
   n_u, n_s = len(u_leaves), len(s_leaves)
 
+  made: list = []  # the tree of the updates the inner update returns
+
   def traced(*leaves):
     u = jax.tree.unflatten(u_def, leaves[:n_u])
     s = jax.tree.unflatten(s_def, leaves[n_u : n_u + n_s])
     p = jax.tree.unflatten(p_def, leaves[n_u + n_s :]) if p_def is not None else None
     new_u, new_s = update(u, s, p, **extra_args)
+    made.append(jax.tree_util.tree_flatten_with_path(new_u))
     return jax.tree.leaves(new_u), s_def.flatten_up_to(new_s)
 
   closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(
     *u_leaves, *abstract, *p_leaves
   )
-  n_out_u = len(out_shape[0])
-  if n_out_u != n_u:
-    raise ValueError(
-      f"quantize_state: the inner update returned {n_out_u} update leaves for "
-      f"{n_u} gradient leaves."
-    )
-  u_lanes = [
-    lane if (lane := owners.get(tuple(p))) in stored else None
-    for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]
-  ]
+  (new_u_paths, new_u_def), n_new_u = made[-1], len(out_shape[0])
+
+  def lanes_of(paths):  # a parameter's lane, where it has quantised state
+    return [lane if (lane := owners.get(tuple(p))) in stored else None for p in paths]
+
+  u_lanes = lanes_of(p for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0])
   p_lanes = [lane if lane in stored else None for lane in range(len(p_leaves))]
   outs, flats = _lanes.flat_evaluate(
     closed,
     [*u_leaves, *[None if is_grouped(x) else x for x in s_leaves], *p_leaves],
     in_lanes=[*u_lanes, *s_lanes, *p_lanes],
     in_slots=[*[("updates",)] * n_u, *s_slots, *[("params",)] * len(p_leaves)],
-    out_lanes=[*u_lanes, *s_lanes],
-    out_slots=[*[("new updates",)] * n_u, *[("new",) + s for s in s_slots]],
+    out_lanes=[*lanes_of(p for p, _ in new_u_paths), *s_lanes],
+    out_slots=[*[("new updates",)] * n_new_u, *[("new",) + s for s in s_slots]],
     shapes=lane_shapes,
     align=block_size,
     flat_in=flat_in,
@@ -281,8 +280,8 @@ def flat_update(
       (("new",) + s_slots[idx[0]], tuple(s_lanes[i] for i in idx)) for idx in members
     ],
   )
-  new_u = jax.tree.unflatten(u_def, outs[:n_u])
-  new_leaves = list(outs[n_u:])
+  new_u = jax.tree.unflatten(new_u_def, outs[:n_new_u])
+  new_leaves = list(outs[n_new_u:])
   new_groups_dtype = []
   for idx in members:
     dtypes = {jnp.dtype(out_shape[1][i].dtype) for i in idx}
