@@ -435,3 +435,17 @@ def test_the_equations_a_quantised_leaf_adds_do_not_grow_with_the_leaf_count(dis
   assert per_leaf["quantised"] <= 810, per_leaf
   wrappers = per_leaf["all three"] - per_leaf["quantised"]
   assert wrappers <= per_leaf["loss scale"] - per_leaf["adam"] + 2, per_leaf
+
+
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+def test_a_stack_of_states_dequantizes_state_by_state(layout):
+  # jax.vmap-ed (or scanned) states stack their leaves: a leaf of 50 (its
+  # block padded) and one of whole blocks, decoded leaf by leaf
+  params = {"b": jnp.linspace(-1.0, 1.0, 200).reshape(4, 50), "w": jnp.ones((4, 8, 16))}
+  tx = ols.quantize_state(optax.adam(1e-3), min_size=0, block_size=64, layout=layout)
+  grads = jax.tree.map(lambda x: jnp.sin(x * 3.0) * 0.01, params)
+  _, state = jax.vmap(tx.update)(grads, jax.vmap(tx.init)(params), params)
+  stacked = ols.dequantize_state(state)
+  one_by_one = jax.vmap(ols.dequantize_state)(state)
+  assert _bits(stacked) == _bits(one_by_one)
+  assert float(jnp.abs(stacked[0].mu["b"]).max()) > 0

@@ -484,10 +484,38 @@ def decode_blocks(c: jax.Array, scales: jax.Array, sqrt: bool) -> jax.Array:
   return jnp.where(unsigned, v * v, v) if sqrt else v
 
 
+def _stacked_axes(q: QuantizedLeaf) -> int:
+  """How many leading axes of ``q`` stack leaves (a ``jax.vmap``-ed or
+  scanned state's): the fewest whose removal leaves codes and scales of
+  one leaf's layout (:func:`layout`)."""
+  shape = tuple(q.codes.shape)
+  for s in range(len(shape) + 1):
+    one = layout(jax.ShapeDtypeStruct(shape[s:], _F32), q.block_size)
+    if (*shape[:s], *one.scales.shape) == tuple(q.scales.shape):
+      return s
+  raise ValueError(
+    f"a QuantizedLeaf's scales {tuple(q.scales.shape)} do not fit its codes "
+    f"{shape} in blocks of {q.block_size}."
+  )
+
+
 @jax.jit  # one program (see _encode_many)
 def _decode(q: QuantizedLeaf) -> jax.Array:
   """float32 values of ``q``'s codes in the maps its scales' signs select
-  (squared for an unsigned block stored as square roots)."""
+  (squared for an unsigned block stored as square roots); a stack of leaves
+  (:func:`_stacked_axes`) leaf by leaf."""
+  stacked = _stacked_axes(q)
+  if stacked:
+    lead = q.codes.shape[:stacked]
+    one = dataclasses.replace(
+      q,
+      codes=q.codes.reshape(-1, *q.codes.shape[stacked:]),
+      scales=q.scales.reshape(-1, *q.scales.shape[stacked:]),
+    )
+    values = jax.vmap(
+      lambda c, s: _decode(dataclasses.replace(one, codes=c, scales=s))
+    )(one.codes, one.scales)
+    return values.reshape(*lead, *values.shape[1:])
   c = blocks(q.codes.astype(jnp.int32), q.block_size)
   v = decode_blocks(c, q.scales, q.sqrt)
   return _as_sharded_as(unblocked(v, q.codes.shape, q.block_size), q.codes)
