@@ -203,23 +203,28 @@ def _same_as_traced(fn, args, lanes, shapes):
     np.testing.assert_array_equal(w, x)
 
 
-def test_a_reshape_or_broadcast_that_reorders_is_not_an_identity():
+def _transposing_reshape(a, b):
+  def one(v):
+    return jax.lax.reshape(v, v.shape, dimensions=(1, 0)) * 2.0 + v
+
+  return one(a), one(b)
+
+
+def _permuting_broadcast(a, b):
+  def one(v):
+    return jax.lax.broadcast_in_dim(v, v.shape[::-1], (1, 0)) + v
+
+  return one(a), one(b)
+
+
+@pytest.mark.parametrize("fn", [_transposing_reshape, _permuting_broadcast])
+def test_a_reshape_or_broadcast_that_reorders_is_not_an_identity(fn):
   x, y = jnp.arange(9.0).reshape(3, 3), jnp.arange(16.0).reshape(4, 4) * 2
-
-  def transposing_reshape(a, b):
-    def one(v):
-      return jax.lax.reshape(v, v.shape, dimensions=(1, 0)) * 2.0 + v
-
-    return one(a), one(b)
-
-  def permuting_broadcast(a, b):
-    def one(v):
-      return jax.lax.broadcast_in_dim(v, v.shape[::-1], (1, 0)) + v
-
-    return one(a), one(b)
-
-  for fn in (transposing_reshape, permuting_broadcast):
-    _same_as_traced(fn, [x, y], ["x", "y"], {"x": (3, 3), "y": (4, 4)})
+  try:
+    jax.make_jaxpr(fn)(x, y)
+  except TypeError as e:  # older JAX: broadcast dimensions strictly increasing
+    pytest.skip(str(e))
+  _same_as_traced(fn, [x, y], ["x", "y"], {"x": (3, 3), "y": (4, 4)})
 
 
 def test_zero_dimensional_lanes_are_evaluated_as_traced():

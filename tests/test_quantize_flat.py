@@ -140,6 +140,7 @@ def _same(a, b, bfloat16=EXACT):
       )
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_the_flat_layout_stores_and_computes_the_per_leaf_layouts_bits(name, rounding):

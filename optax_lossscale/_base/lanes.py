@@ -28,7 +28,7 @@ import numpy as np
 
 from optax_lossscale._base import jaxpr as _jaxpr
 
-__all__ = ["ELEMENTWISE", "Flat", "flat_evaluate", "padded"]
+__all__ = ["ELEMENTWISE", "Flat", "flat_evaluate", "flattened", "padded"]
 
 #: Elementwise primitives: each output element is a function of the inputs'
 #: elements at its own index (operands of one shape, or 0-d).
@@ -297,7 +297,8 @@ def _starts(lanes: Sequence, sizes: dict, align: int) -> dict:
   return out
 
 
-def _pad(x: Any, align: int) -> Any:
+def flattened(x: Any, align: int) -> Any:
+  """``x`` flattened, zero-padded to a multiple of ``align``: its segment."""
   x = x.reshape(-1)
   pad = padded(x.size, align) - x.size
   return jnp.pad(x, (0, pad)) if pad else x
@@ -305,22 +306,6 @@ def _pad(x: Any, align: int) -> Any:
 
 def _concat(pieces: list) -> Any:
   return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-
-
-def _runs(lanes: Sequence, source: Sequence) -> list[tuple[int, int, int]]:
-  """``(start in lanes, start in source, length)`` of the longest runs of
-  ``lanes`` that are consecutive in ``source``; lanes not in it as length 0."""
-  where = {lane: i for i, lane in enumerate(source)}
-  out: list[list[int]] = []
-  for i, lane in enumerate(lanes):
-    j = where.get(lane)
-    if j is None:
-      out.append([i, -1, 0])
-    elif out and out[-1][2] and out[-1][1] + out[-1][2] == j:
-      out[-1][2] += 1
-    else:
-      out.append([i, j, 1])
-  return [tuple(r) for r in out]
 
 
 def _zero_padding(x: Any, lanes: Sequence, sizes: dict, align: int) -> Any:
@@ -482,7 +467,7 @@ def flat_evaluate(
     while i < len(lanes):
       found = locate(lanes[i])
       if found is None:
-        pieces.append(_pad(read_lane(lanes[i]), align))
+        pieces.append(flattened(read_lane(lanes[i]), align))
         i += 1
         continue
       (source_lanes, value), first = found

@@ -32,10 +32,10 @@ __all__ = [
   "check_unsharded",
   "dequantized",
   "encode_groups",
+  "encoded",
   "flat_update",
   "grouped",
   "is_grouped",
-  "padded_flat",
 ]
 
 _F32 = jnp.dtype(jnp.float32)
@@ -127,13 +127,6 @@ def grouped(
   return jax.tree.unflatten(treedef, leaves), groups
 
 
-def padded_flat(x: Any, block_size: int) -> Any:
-  """``x`` flattened, zero-padded to whole blocks, in float32."""
-  x = x.reshape(-1).astype(_F32)
-  pad = _lanes.padded(x.size, block_size) - x.size
-  return jnp.pad(x, (0, pad)) if pad else x
-
-
 def check_unsharded(leaves: list) -> None:
   """A ValueError where a leaf to quantise is sharded explicitly (its
   group's buffer would gather it onto each device)."""
@@ -144,6 +137,32 @@ def check_unsharded(leaves: list) -> None:
         "buffer, which cannot keep a leaf's explicit sharding (a leaf is "
         f"sharded as {_tree.explicit_spec(x)}); use layout='leaf'."
       )
+
+
+def encoded(
+  inner_state: Any,
+  chosen: list[int],
+  like: Any,
+  block_size: int,
+  sqrt: bool,
+  stochastic: bool,
+) -> tuple[Any, tuple]:
+  """``inner_state`` in the flat layout (:func:`grouped`), its chosen leaves
+  encoded: ``(state with GroupedLeaf s, the groups' QuantizedLeaf s)``."""
+  leaves = jax.tree.leaves(inner_state)
+  check_unsharded([leaves[i] for i in chosen])
+  state, groups = grouped(inner_state, chosen, like, block_size, sqrt)
+  slots = jax.tree.leaves(state, is_leaf=is_grouped)
+  values = [
+    jnp.concatenate([_lanes.flattened(leaves[i].astype(_F32), block_size) for i in idx])
+    for idx, _ in groups
+  ]
+  members = [[slots[i] for i in idx] for idx, _ in groups]
+  coded = encode_groups(values, members, block_size, sqrt, stochastic)
+  return state, tuple(
+    dataclasses.replace(q, dtype=g.dtype)
+    for q, (_, g) in zip(coded, groups, strict=True)
+  )
 
 
 def encode_groups(

@@ -29,7 +29,6 @@ Quantization"):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -322,22 +321,10 @@ def quantize_state(
     leaves, treedef = jax.tree.flatten(inner_state)
     picked = chosen(inner_state, _shapes(params))
     if flat:
-      _flat.check_unsharded([leaves[i] for i in picked])
-      state, groups = _flat.grouped(inner_state, picked, params, block_size, store_sqrt)
-      values = [
-        jnp.concatenate([_flat.padded_flat(leaves[i], block_size) for i in idx])
-        for idx, _ in groups
-      ]
-      members = [
-        [jax.tree.leaves(state, is_leaf=_flat.is_grouped)[i] for i in idx]
-        for idx, _ in groups
-      ]
-      coded = _flat.encode_groups(values, members, block_size, store_sqrt, stochastic)
-      coded = [
-        dataclasses.replace(q, dtype=g.dtype)
-        for q, (_, g) in zip(coded, groups, strict=True)
-      ]
-      return FlatQuantizedState(state, tuple(coded))
+      state, coded = _flat.encoded(
+        inner_state, picked, params, block_size, store_sqrt, stochastic
+      )
+      return FlatQuantizedState(state, coded)
     for i in picked:
       leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic)
     return QuantizedState(jax.tree.unflatten(treedef, leaves))
