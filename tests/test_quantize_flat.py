@@ -329,13 +329,13 @@ def test_updates_of_another_tree_than_the_gradients():
 
 
 def test_a_python_number_among_the_parameters_and_a_long_program():
-  params = {"w": PARAMS["w"], "k": 2.0}
+  # a Python number and a zero-size leaf beside a quantised one
+  params = {"w": PARAMS["w"], "k": 2.0, "z": jnp.zeros((0, 3))}
+  grads = {"w": PARAMS["w"], "k": 1.0, "z": jnp.zeros((0, 3))}
   long = optax.chain(*[optax.scale(1.0)] * 1200, optax.adam(1e-3))  # deeper than
   for inner in (optax.adam(1e-3), long):  # Python's recursion limit
     results = []
     for layout in ("leaf", "flat"):
       tx = ols.quantize_state(inner, min_size=256, layout=layout)
-      results.append(
-        _jit(tx.update)({"w": PARAMS["w"], "k": 1.0}, tx.init(params), params)
-      )
+      results.append(_jit(tx.update)(grads, tx.init(params), params))
     _same(results[0][0], results[1][0])

@@ -158,18 +158,21 @@ def encoded(
     for idx, _ in groups
   ]
   members = [[slots[i] for i in idx] for idx, _ in groups]
-  coded = encode_groups(values, members, block_size, sqrt, stochastic)
-  return state, tuple(
-    dataclasses.replace(q, dtype=g.dtype)
-    for q, (_, g) in zip(coded, groups, strict=True)
-  )
+  dtypes = [g.dtype for _, g in groups]
+  return state, encode_groups(values, members, dtypes, block_size, sqrt, stochastic)
 
 
 def encode_groups(
-  values: list, group_leaves: list, block_size: int, sqrt: bool, stochastic: bool
-) -> list:
-  """The :class:`QuantizedLeaf` of each group's flat values (padding zero);
-  groups of one length are encoded together (one reduction reads them).
+  values: list,
+  group_leaves: list,
+  dtypes: list,
+  block_size: int,
+  sqrt: bool,
+  stochastic: bool,
+) -> tuple:
+  """The :class:`QuantizedLeaf` of each group's flat values (padding zero),
+  made in its dtype of ``dtypes``; groups of one length are encoded
+  together (one reduction reads them).
   ``group_leaves``: each group's :class:`GroupedLeaf` s, whose ``start``
   makes the stochastic rounding's random numbers those of the per-leaf
   layout."""
@@ -185,8 +188,8 @@ def encode_groups(
       [values[g] for g in idx], block_size, sqrt, stochastic, firsts=firsts
     )
     for g, q in zip(idx, coded, strict=True):
-      out[g] = q
-  return out
+      out[g] = dataclasses.replace(q, dtype=jnp.dtype(dtypes[g]))
+  return tuple(out)
 
 
 def _block_firsts(leaves: list, size: int, block_size: int) -> np.ndarray:
@@ -317,10 +320,11 @@ def flat_update(
       new_leaves[i] = dataclasses.replace(x, dtype=dtype)
   group_leaves = [[new_leaves[i] for i in idx] for idx in members]
   coded = encode_groups(
-    [f.value.astype(_F32) for f in flats], group_leaves, block_size, sqrt, stochastic
+    [f.value.astype(_F32) for f in flats],
+    group_leaves,
+    new_groups_dtype,
+    block_size,
+    sqrt,
+    stochastic,
   )
-  coded = [
-    dataclasses.replace(q, dtype=d)
-    for q, d in zip(coded, new_groups_dtype, strict=True)
-  ]
-  return new_u, jax.tree.unflatten(s_def, new_leaves), tuple(coded)
+  return new_u, jax.tree.unflatten(s_def, new_leaves), coded
