@@ -339,3 +339,32 @@ def test_a_python_number_among_the_parameters_and_a_long_program():
       tx = ols.quantize_state(inner, min_size=256, layout=layout)
       results.append(_jit(tx.update)(grads, tx.init(params), params))
     _same(results[0][0], results[1][0])
+
+
+def test_no_parameters_and_gradients_of_another_dtype():
+  # update(params=None) with float32 gradients of the bfloat16 parameter:
+  # Adam's mu of it becomes float32 in the first step (both layouts), and its
+  # group, chosen at init by its parameter's dtype, stays its own
+  grads = [
+    jax.tree.map(lambda x: x.astype(jnp.float32), _grads(PARAMS, t)) for t in range(3)
+  ]
+  results = []
+  for layout in ("leaf", "flat"):
+    tx = ols.quantize_state(optax.adam(1e-3), min_size=256, layout=layout)
+    update, state = _jit(lambda g, s, tx=tx: tx.update(g, s)), tx.init(PARAMS)
+    for g in grads:
+      updates, state = update(g, state)
+    results.append((updates, state))
+  (u_leaf, s_leaf), (u_flat, s_flat) = results
+  assert len(s_flat.groups) == len(tx.init(PARAMS).groups)
+  stored = lambda x: isinstance(x, (ols.QuantizedLeaf, ols.GroupedLeaf))  # noqa: E731
+  dtypes = [
+    jax.tree.map(lambda x: x.dtype, s.inner_state, is_leaf=stored)
+    for s in (s_leaf, s_flat)
+  ]
+  assert dtypes[0] == dtypes[1] and dtypes[0][0].mu["h"] == jnp.float32
+  _same(u_leaf, u_flat)
+  _same(ols.dequantize_state(s_leaf), ols.dequantize_state(s_flat))
+  with pytest.raises(ValueError, match=r"\['w'\]"):  # still a check of the shapes
+    other = dict(grads[0], w=jnp.ones((40, 301)))
+    update(other, s_flat)

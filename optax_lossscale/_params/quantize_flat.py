@@ -96,10 +96,21 @@ def _owners(like: Any) -> tuple[dict, list]:
 
 
 def grouped(
-  inner_state: Any, chosen: list[int], like: Any, block_size: int, sqrt: bool
+  inner_state: Any,
+  chosen: list[int],
+  like: Any,
+  block_size: int,
+  sqrt: bool,
+  group_of: dict | None = None,
 ) -> tuple[Any, list[tuple[list[int], Any]]]:
   """The flat layout of ``inner_state`` (arrays or abstract values) whose
   leaves ``chosen`` (indices in ``jax.tree.leaves`` order) are quantised.
+
+  The leaves of one moment field are grouped by dtype, or, with
+  ``group_of`` (a state's groups by path: what a check compares with), by
+  the group the state keeps them in: the dtypes an ``init`` grouped by are
+  those of its parameters, which an ``update`` given only gradients does
+  not know.
 
   Returns:
     ``(state, groups)``: ``inner_state`` with a :class:`GroupedLeaf` in
@@ -108,14 +119,16 @@ def grouped(
   """
   with_paths, treedef = jax.tree_util.tree_flatten_with_path(inner_state)
   owners, shapes = _owners(like)
+  group_of = {} if group_of is None else group_of
   members: dict = {}
   for i in chosen:
     path, x = with_paths[i]
     _, slot = _lane(path, x, owners, shapes)
-    members.setdefault((slot, jnp.dtype(x.dtype)), []).append(i)
+    members.setdefault((slot, group_of.get(path, jnp.dtype(x.dtype))), []).append(i)
   leaves = [x for _, x in with_paths]
   groups = []
-  for g, ((_, dtype), idx) in enumerate(members.items()):
+  for g, idx in enumerate(members.values()):
+    dtype = jnp.dtype(leaves[idx[0]].dtype)
     start = 0
     for i in idx:
       x = leaves[i]

@@ -329,14 +329,17 @@ def quantize_state(
       leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic)
     return QuantizedState(jax.tree.unflatten(treedef, leaves))
 
-  def expected(params):
+  def expected(params, group_of=None):
     """The state ``init_fn(params)`` makes, abstract, without encoding
-    anything: the quantised leaves' layouts follow from their shapes."""
+    anything: the quantised leaves' layouts follow from their shapes (the
+    flat layout's groups from ``group_of``, where given: see ``grouped``)."""
     inner_state = memo.made(params)  # init is not traced again
     leaves, treedef = jax.tree.flatten(inner_state)
     picked = chosen(inner_state, _shapes(params))
     if flat:
-      state, groups = _flat.grouped(inner_state, picked, params, block_size, store_sqrt)
+      state, groups = _flat.grouped(
+        inner_state, picked, params, block_size, store_sqrt, group_of
+      )
       return FlatQuantizedState(state, tuple(g for _, g in groups))
     for i in picked:
       leaves[i] = _leaf_layout(leaves[i], block_size, store_sqrt)
@@ -378,7 +381,16 @@ def quantize_state(
     _opt_state.check_state_type(
       "quantize_state", state, FlatQuantizedState if flat else QuantizedState
     )
-    _check_layout(expected(like), state)
+    group_of = None
+    if flat:  # the groups the state was made with, whatever the gradients' dtypes
+      group_of = {
+        path: x.group
+        for path, x in jax.tree_util.tree_flatten_with_path(
+          state.inner_state, is_leaf=_flat.is_grouped
+        )[0]
+        if _flat.is_grouped(x)
+      }
+    _check_layout(expected(like, group_of), state)
 
   def update_fn(updates, state, params=None, **extra_args):
     like = params if params is not None else updates
