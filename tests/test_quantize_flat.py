@@ -332,8 +332,12 @@ def test_a_python_number_among_the_parameters_and_a_long_program():
   # a Python number and a zero-size leaf beside a quantised one
   params = {"w": PARAMS["w"], "k": 2.0, "z": jnp.zeros((0, 3))}
   grads = {"w": PARAMS["w"], "k": 1.0, "z": jnp.zeros((0, 3))}
-  long = optax.chain(*[optax.scale(1.0)] * 1200, optax.adam(1e-3))  # deeper than
-  for inner in (optax.adam(1e-3), long):  # Python's recursion limit
+  # deeper than Python's recursion limit, and read whole by a reduction (the
+  # global norm, computed from each leaf's own values)
+  long = optax.chain(
+    *[optax.scale(1.0)] * 1200, optax.clip_by_global_norm(1.0), optax.adam(1e-3)
+  )
+  for inner in (optax.adam(1e-3), long):
     results = []
     for layout in ("leaf", "flat"):
       tx = ols.quantize_state(inner, min_size=256, layout=layout)

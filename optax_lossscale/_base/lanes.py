@@ -399,16 +399,35 @@ def flat_evaluate(
     lane's own values, as traced (so that XLA fuses it as it would)."""
     if isinstance(k, _Lit):
       return k.val
+    if k not in env and own and k in a.made_by:
+      own_values(k)
     if k not in env:
       lane = a.kind[k][1]
-      e = a.made_by.get(k)
-      if own and e is not None:
-        env[k] = _jaxpr.bind(e.eqn, [read(i, own=True) for i in e.ins])[0]
-      else:
-        g = group_of[lane]
-        flat, start = flat_value(g, a.local[k]), starts[g][lane]
-        env[k] = flat[start : start + sizes[lane]].reshape(a.aval[k].shape)
+      g = group_of[lane]
+      flat, start = flat_value(g, a.local[k]), starts[g][lane]
+      env[k] = flat[start : start + sizes[lane]].reshape(a.aval[k].shape)
     return env[k]
+
+  def own_values(k: Any) -> None:
+    # The equations that make k, from the lane's own values, deepest first:
+    # a stack, not recursion as deep as the chain that feeds a reduction.
+    stack = [k]
+    while stack:
+      top = stack[-1]
+      e = a.made_by.get(top)
+      if top in env or e is None:  # made, or an input (read as a segment)
+        stack.pop()
+        continue
+      missing = [i for i in e.ins if not isinstance(i, _Lit) and i not in env]
+      missing = [i for i in missing if i in a.made_by]
+      if missing:
+        stack.extend(missing)
+        continue
+      stack.pop()
+      values = _jaxpr.bind(e.eqn, [read(i) for i in e.ins])
+      for out, x in zip(e.outs, values, strict=True):
+        if out is not None:
+          env.setdefault(out, x)
 
   def flat_b(k: Any, n: int) -> Any:
     if isinstance(k, _Lit) or a.kind[k] == "s":
