@@ -328,6 +328,27 @@ def test_updates_of_another_tree_than_the_gradients():
   _same(ols.dequantize_state(out[0][1]), ols.dequantize_state(out[1][1]))
 
 
+def _scale_by_long_constants(steps=1200):
+  """Gradients times a number made by ``steps`` operations on the state's
+  scalar (one chain of shared numbers), then by a constant made by
+  ``steps`` operations on a broadcast number (one chain of broadcasts)."""
+
+  def update(updates, state, params=None):
+    k = state * 0.0 + 0.5
+    for _ in range(steps):
+      k = k * 1.0
+
+    def scaled(g):
+      c = jnp.full_like(g, 0.5)
+      for _ in range(steps):
+        c = c * 1.0
+      return g * k * c
+
+    return jax.tree.map(scaled, updates), state
+
+  return optax.GradientTransformation(lambda params: jnp.zeros([]), update)
+
+
 def test_a_python_number_among_the_parameters_and_a_long_program():
   # a Python number and a zero-size leaf beside a quantised one
   params = {"w": PARAMS["w"], "k": 2.0, "z": jnp.zeros((0, 3))}
@@ -337,7 +358,8 @@ def test_a_python_number_among_the_parameters_and_a_long_program():
   long = optax.chain(
     *[optax.scale(1.0)] * 1200, optax.clip_by_global_norm(1.0), optax.adam(1e-3)
   )
-  for inner in (optax.adam(1e-3), long):
+  long_constants = optax.chain(_scale_by_long_constants(), optax.adam(1e-3))
+  for inner in (optax.adam(1e-3), long, long_constants):
     results = []
     for layout in ("leaf", "flat"):
       tx = ols.quantize_state(inner, min_size=256, layout=layout)

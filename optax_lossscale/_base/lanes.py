@@ -147,9 +147,12 @@ class _Analysis:
     self.kind: dict = {}
     self.local: dict = {}  # an ("l", lane) value -> its index in its lane's program
     self.prog: dict = {}  # lane -> signatures of its inputs, then of its equations
-    self.bsig: dict = {}  # a "b" value -> how it is made
+    self.bsig: dict = {}  # a "b" value -> how it is made (its number)
+    # How a value is made, numbered: equal numbers for equal ways, and a
+    # chain's description one number deep, however long the chain.
+    self.numbers: dict = {}
     self.aliases: set = set()  # lane values that reorder nothing: a reshape's
-    self.number: dict = {}  # an "s" value made by an equation -> how it is made
+    self.number: dict = {}  # an "s" value made by an equation -> how (numbered)
     for k, c in self.consts:
       self.kind[k] = "s" if np.ndim(c) == 0 else "o"
     for k, lane, slot in zip(self.in_keys, in_lanes, in_slots, strict=True):
@@ -208,17 +211,19 @@ class _Analysis:
         made = (name, _params(e.eqn), tuple(self.desc(k) for k in e.ins))
         for n, k in enumerate(e.outs):
           if k is not None:
-            self.number[k] = (*made, n)
+            self.number[k] = self._numbered((*made, n))
       elif len(outs) == 1 and (
         (name == "broadcast_in_dim" and kinds == ["s"])
         or (name in ELEMENTWISE and all(kk in ("s", "b") for kk in kinds))
       ):
         new = "b"
-        self.bsig[outs[0]] = (
-          name,
-          () if name == "broadcast_in_dim" else _params(e.eqn),
-          tuple(self.desc(k) for k in e.ins),
-          str(self.aval[outs[0]].dtype),
+        self.bsig[outs[0]] = self._numbered(
+          (
+            name,
+            () if name == "broadcast_in_dim" else _params(e.eqn),
+            tuple(self.desc(k) for k in e.ins),
+            str(self.aval[outs[0]].dtype),
+          )
         )
       else:
         new = "o"
@@ -253,6 +258,9 @@ class _Analysis:
         return
     for k in outs:
       self.kind[k] = ("x", lane)
+
+  def _numbered(self, made: tuple) -> int:
+    return self.numbers.setdefault(made, len(self.numbers))
 
   def _signature(self, e: _Eqn, name: str, params: tuple) -> tuple:
     outs = [k for k in e.outs if k is not None]
@@ -430,14 +438,25 @@ def flat_evaluate(
           env.setdefault(out, x)
 
   def flat_b(k: Any, n: int) -> Any:
-    if isinstance(k, _Lit) or a.kind[k] == "s":
+    """A broadcast of scalars ``k`` at flat length ``n``, made from its
+    scalars (a stack, not recursion as deep as its chain)."""
+    shared = lambda i: isinstance(i, _Lit) or a.kind[i] == "s"  # noqa: E731
+    if shared(k):
       return read(k)
-    if (k, n) not in b_env:
-      e = a.made_by[k]
-      if e.eqn.primitive.name == "broadcast_in_dim":
-        b_env[(k, n)] = jax.lax.broadcast_in_dim(read(e.ins[0]), (n,), ())
+    stack = [k]
+    while stack:
+      top = stack[-1]
+      e = a.made_by[top]
+      if (top, n) in b_env:
+        stack.pop()
+      elif e.eqn.primitive.name == "broadcast_in_dim":
+        b_env[(top, n)] = jax.lax.broadcast_in_dim(read(e.ins[0]), (n,), ())
+        stack.pop()
+      elif missing := [i for i in e.ins if not shared(i) and (i, n) not in b_env]:
+        stack.extend(missing)
       else:
-        b_env[(k, n)] = _jaxpr.bind(e.eqn, [flat_b(i, n) for i in e.ins])[0]
+        stack.pop()
+        b_env[(top, n)] = _jaxpr.bind(e.eqn, [flat_b(i, n) for i in e.ins])[0]
     return b_env[(k, n)]
 
   def flat_value(g: int, i: int) -> Any:
