@@ -250,6 +250,10 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
       jnp.float32,
       lambda: ols.quantize_state(optax.adam(LR), layout="flat"),
     ),
+    "dls(quantize_state(adam, layout='flat'))": (
+      jnp.float32,
+      lambda: ols.dynamic_loss_scale(ols.quantize_state(optax.adam(LR), layout="flat")),
+    ),
     "dls(master_weights(quantize_state(adam, layout='flat'))), bf16": (
       jnp.bfloat16,
       lambda: ols.dynamic_loss_scale(
@@ -316,6 +320,7 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
     "8-bit",
     "all three",
     "8-bit, flat",
+    "loss scale + 8-bit, flat",
     "all three, flat",
   ]
   header = ["leaves"] + [
@@ -331,7 +336,8 @@ def decoder_trees(block_counts, scan_steps=4, scans=(False, True)):
     "comparison), `quantize_state(adam)` (8-bit) and "
     "`dynamic_loss_scale(master_weights(quantize_state(adam)))` on bfloat16 "
     "parameters (all three), and both with `quantize_state(..., "
-    'layout="flat")` (flat); in scan: '
+    'layout="flat")` (flat), the flat one also under the loss scale on float32 '
+    "parameters (loss scale + 8-bit: all three but the master weights); in scan: "
     f"{scan_steps} steps in one `lax.scan`. Lines XLA printed while "
     f"compiling: {len(printed)}."
     + (

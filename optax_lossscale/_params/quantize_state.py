@@ -228,14 +228,24 @@ def quantize_state(
     select: ``None`` (the moments), or a function of a state leaf's key
       path and the leaf (an array, or its ``jax.ShapeDtypeStruct`` where a
       state is checked) returning ``True`` or ``False``.
+    layout: ``"leaf"`` (each quantised leaf a :class:`QuantizedLeaf` of its
+      own, in its own sharding) or ``"flat"`` (the quantised leaves of one
+      moment field and dtype in one buffer, and the inner update run once on
+      flat arrays for each group of parameters it updates alike: a step that
+      compiles in about float32 Adam's time on a tree of hundreds of leaves,
+      but runs longer and holds more temporary memory, for it gathers the
+      gradients into flat arrays; BENCHMARKS.md, 8-bit optimizer state).
+      The same blocks, codes and scales; ``init`` refuses a leaf to
+      quantise that is sharded explicitly.
 
   Returns:
     A :class:`StateQuantizer` (an ``optax.GradientTransformationExtraArgs``)
-    whose state is a :class:`QuantizedState`.
+    whose state is a :class:`QuantizedState` (``"flat"``: a
+    :class:`FlatQuantizedState`).
 
   Raises:
     ValueError: a bad ``bits``, ``block_size``, ``min_size``,
-      ``store_sqrt``, ``rounding`` or ``select``; ``init``
+      ``store_sqrt``, ``rounding``, ``select`` or ``layout``; ``init``
       where ``inner``'s state holds a :func:`master_weights` state, where
       ``select`` returns something else than ``True`` or ``False``, and
       where nothing would be quantised while leaves of a state it does not
