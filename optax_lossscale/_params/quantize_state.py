@@ -232,7 +232,7 @@ def quantize_state(
       own, in its own sharding) or ``"flat"`` (the quantised leaves of one
       moment field and dtype in one buffer, and the inner update run once on
       flat arrays for each group of parameters it updates alike: a step that
-      compiles in about float32 Adam's time on a tree of hundreds of leaves,
+      compiles in less than twice float32 Adam's time on hundreds of leaves,
       but runs longer and holds more temporary memory, for it gathers the
       gradients into flat arrays; BENCHMARKS.md, 8-bit optimizer state).
       The same blocks, codes and scales; ``init`` refuses a leaf to
