@@ -129,6 +129,85 @@ def test_schedule_does_not_advance_on_skipped_steps():
   assert int(optax.tree.get(state, "count")) == 3
 
 
+# A state leaf's kind at init and as the update returns it: a skipped step
+# keeps the old value whenever either is an array; two Python numbers are
+# static leaves, and the new one is taken (nothing can select them).
+LEAF_ORIGINS = {
+  "Python int, then an array": (0, lambda c: jnp.asarray(c, jnp.int32) + 1, False),
+  "Python float, then an array": (
+    0.5,
+    lambda c: jnp.asarray(c, jnp.float32) * 2,
+    False,
+  ),
+  "NumPy scalar, then an array": (np.int32(3), lambda c: jnp.asarray(c) + 1, False),
+  "an array, then a Python number": (jnp.float32(2.0), lambda c: 7.0, False),
+  "Python ints (static)": (0, lambda c: c + 1, True),
+}
+
+
+def _inner_with_leaf(start, step, tag=None):
+  def init(params):
+    state = {"leaf": start, "m": jax.tree.map(jnp.zeros_like, params)}
+    return state if tag is None else {**state, "tag": tag}
+
+  def update(updates, state, params=None):
+    del params
+    m = jax.tree.map(lambda m, g: 0.5 * m + g, state["m"], updates)
+    return jax.tree.map(jnp.negative, m), {**state, "leaf": step(state["leaf"]), "m": m}
+
+  return optax.GradientTransformation(init, update)
+
+
+def _skipped_and_applied(tx, params, how):
+  """The inner states after a non-finite step then a finite one, run as
+  ``how`` says: op by op, or init and both updates in one jax.jit (a Python
+  number in the state is then still one when update reads it)."""
+  bad = {"w": jnp.array([jnp.inf, 1.0])}
+  good = {"w": jnp.array([4.0, 8.0])}
+
+  def run(params):
+    state = tx.init(params)
+    u1, s1 = tx.update(bad, state, params)
+    _, s2 = tx.update(good, s1, params)
+    inner = [
+      {k: v for k, v in s.inner_state.items() if k != "tag"} for s in (state, s1, s2)
+    ]
+    return u1, inner, [s1.skipped_steps, s2.skipped_steps]
+
+  return jax.jit(run)(params) if how == "one jit" else run(params)
+
+
+@pytest.mark.filterwarnings("ignore::optax_lossscale.SkipFallbackWarning")
+@pytest.mark.parametrize("how", ["op by op", "one jit"])
+@pytest.mark.parametrize(
+  "entry",
+  [
+    "dynamic_loss_scale",
+    "static_loss_scale",
+    "dynamic_loss_scale, its fallback",  # a string leaf: select_after
+  ],
+)
+@pytest.mark.parametrize("origin", LEAF_ORIGINS)
+def test_a_skipped_step_keeps_every_leaf_an_array_was_made_of(origin, entry, how):
+  start, step, static = LEAF_ORIGINS[origin]
+  inner = _inner_with_leaf(start, step, "tag" if "fallback" in entry else None)
+  if entry.startswith("static"):
+    tx = ols.static_loss_scale(inner, 4.0)
+  else:
+    tx = ols.dynamic_loss_scale(inner, initial_scale=4.0)
+  params = {"w": jnp.ones(2)}
+  u1, (s0, s1, s2), skipped = _skipped_and_applied(tx, params, how)
+  assert [int(n) for n in skipped] == [1, 1]
+  chex.assert_trees_all_equal(u1, {"w": jnp.zeros(2)})
+  chex.assert_trees_all_equal(s1["m"], s0["m"])
+  if static:  # taken from the update: it advances
+    assert s1["leaf"] == step(start)
+    assert how == "one jit" or type(s1["leaf"]) is int  # jit's outputs are arrays
+  else:
+    assert float(s1["leaf"]) == float(start)  # kept
+  assert float(s2["leaf"]) == float(step(s1["leaf"]))
+
+
 @pytest.mark.standard_promotion  # optax's adam / schedules
 def test_no_retrace_when_scale_or_counters_change():
   params = _params()
@@ -371,6 +450,54 @@ def test_mismatched_grad_tree_is_a_clear_error():
     tx.update({"w": jnp.ones((2, 3))}, state, params)
   with pytest.raises(ValueError, match=r"\['b'\] has shape \(4,\)"):
     jax.jit(tx.update)({"w": jnp.ones((2, 3)), "b": jnp.ones(4)}, state, params)
+
+
+STATE_MISFITS = {
+  "dynamic_loss_scale": lambda: ols.dynamic_loss_scale(optax.adam(1e-3)),
+  "static_loss_scale": lambda: ols.static_loss_scale(optax.adam(1e-3), 8.0),
+  "master_weights": lambda: ols.master_weights(optax.adam(1e-3)),
+  "dynamic_loss_scale(master_weights)": lambda: ols.dynamic_loss_scale(
+    ols.master_weights(optax.adam(1e-3))
+  ),
+}
+
+
+MISFITS = [
+  "gradients of other shapes, no params",
+  "gradients of another structure, no params",
+  "a state made for parameters of other shapes",
+]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize(
+  "entry, case",
+  [
+    (entry, case)
+    for entry in STATE_MISFITS
+    for case in MISFITS
+    if "master" not in entry or "no params" not in case  # it needs params
+  ],
+)
+def test_a_state_that_does_not_fit_is_a_clear_error(entry, case, jit):
+  tx = STATE_MISFITS[entry]()
+  dtype = jnp.bfloat16 if "master" in entry else jnp.float32
+  params = {"w": jnp.ones(3, dtype), "b": jnp.ones(2, dtype)}
+  grads = jax.tree.map(jnp.ones_like, params)
+  state, args = tx.init(params), (grads, params)
+  if case.startswith("gradients of other shapes"):
+    args, match = (
+      ({"w": jnp.ones(4, dtype), "b": grads["b"]}, None),
+      "fit these gradients",
+    )
+  elif case.startswith("gradients of another"):
+    args, match = ({"w": grads["w"]}, None), "these gradients \\(or these gradients"
+  else:
+    state = tx.init({"w": jnp.ones(5, dtype), "b": params["b"]})
+    match = "made for"
+  update = jax.jit(tx.update) if jit else tx.update
+  with pytest.raises(ValueError, match=match):
+    update(args[0], state, args[1])
 
 
 def test_invalid_inner_or_loss_scale():

@@ -53,60 +53,94 @@ def check_inner_state(
 ) -> None:
   """A readable error, at trace time, for a state made by another optimizer.
 
-  ``inner_state`` must have the structure the inner ``init`` gives for
-  ``params`` (``grads`` where there are no ``params``), as ``memo`` remembers
-  it (``init`` is traced only for parameters no ``init`` was seen for). A
-  ``ValueError`` that ``init`` raises on these parameters is raised (it
-  names what is wrong with them); an ``init`` that needs what cannot be
-  given here is not checked.
+  ``inner_state`` must have the structure and the array shapes the inner
+  ``init`` gives for ``params`` (``grads`` where there are no ``params``),
+  as ``memo`` remembers it (``init`` is traced only for parameters no
+  ``init`` was seen for). A ``ValueError`` that ``init`` raises on these
+  parameters is raised (it names what is wrong with them); an ``init`` that
+  needs what cannot be given here is not checked.
   """
   like = params if params is not None else grads
   try:
-    expected = jax.tree.structure(memo.made(like))
+    made = memo.made(like)
   except ValueError:
     if params is None:
       return
     raise
   except Exception:  # noqa: BLE001 - init needs what we cannot give: no check
     return
-  got = jax.tree.structure(inner_state)
-  if got != expected:
-    nones = [
-      _tree.keystr(path)
-      for path, g in jax.tree_util.tree_flatten_with_path(
-        grads, is_leaf=lambda x: x is None
-      )[0]
-      if g is None
-    ]
-    if params is None and nones:
-      raise ValueError(
-        f"The gradients hold None at {', '.join(nones[:4])}, and the optimizer "
-        "state does not fit them: the inner optimizer needs a gradient for "
-        "every parameter. Give zeros there, or pass params to update (it then "
-        "names the parameter)."
-      )
-    changed = changed_leaves(memo, like, got)
-    if changed:
-      raise ValueError(
-        f"The parameters given to {owner}'s update are not those its state "
-        f"was made for: {'; '.join(changed[:4])}"
-        f"{' ...' if len(changed) > 4 else ''}. A dtype that changed between "
-        "steps is most often an update applied without casting back: "
-        "optax.apply_updates casts each sum to its parameter's dtype, "
-        "Equinox's eqx.apply_updates keeps the promoted dtype (master_weights' "
-        "updates of half-precision parameters are float32). Cast the "
-        "parameters back to their dtypes after applying the updates, or init "
-        "a fresh state for the new parameters."
-      )
+  expected, got = jax.tree.structure(made), jax.tree.structure(inner_state)
+  if got == expected:
+    what = "parameters" if params is not None else "gradients"
+    _check_shapes(owner, inner_state, made, what)
+    return
+  nones = [
+    _tree.keystr(path)
+    for path, g in jax.tree_util.tree_flatten_with_path(
+      grads, is_leaf=lambda x: x is None
+    )[0]
+    if g is None
+  ]
+  if params is None and nones:
     raise ValueError(
-      f"The state's inner_state was not made by {owner}'s inner "
-      "optimizer for these parameters (a state saved with another optimizer, "
-      "or made for parameters of another structure or dtype?). Restore it "
-      "into the optimizer that made it, pass the parameters it was made for, "
-      "or init a fresh state with this one.\n"
-      f"  state holds:    {_tree.short(got)}\n"
-      f"  inner.init has: {_tree.short(expected)}"
+      f"The gradients hold None at {', '.join(nones[:4])}, and the optimizer "
+      "state does not fit them: the inner optimizer needs a gradient for "
+      "every parameter. Give zeros there, or pass params to update (it then "
+      "names the parameter)."
     )
+  changed = changed_leaves(memo, like, got)
+  if changed:
+    raise ValueError(
+      f"The parameters given to {owner}'s update are not those its state "
+      f"was made for: {'; '.join(changed[:4])}"
+      f"{' ...' if len(changed) > 4 else ''}. A dtype that changed between "
+      "steps is most often an update applied without casting back: "
+      "optax.apply_updates casts each sum to its parameter's dtype, "
+      "Equinox's eqx.apply_updates keeps the promoted dtype (master_weights' "
+      "updates of half-precision parameters are float32). Cast the "
+      "parameters back to their dtypes after applying the updates, or init "
+      "a fresh state for the new parameters."
+    )
+  which = (
+    "parameters"
+    if params is not None
+    else "gradients (or these gradients are not of the parameters' structure)"
+  )
+  raise ValueError(
+    f"The state's inner_state was not made by {owner}'s inner "
+    f"optimizer for these {which} (a state saved with another optimizer, "
+    "or made for parameters of another structure or dtype?). Restore it "
+    "into the optimizer that made it, pass the parameters it was made for, "
+    "or init a fresh state with this one.\n"
+    f"  state holds:    {_tree.short(got)}\n"
+    f"  inner.init has: {_tree.short(expected)}"
+  )
+
+
+def _check_shapes(owner: str, state: Any, made: Any, what: str) -> None:
+  """A readable error where ``state`` holds an array of another shape than
+  the inner ``init`` makes for these ``what`` (``made``): gradients of
+  another shape than the parameters, or a state made for other ones."""
+  leaves = jax.tree.leaves(state)
+  wrong = [
+    i
+    for i, (s, m) in enumerate(zip(leaves, jax.tree.leaves(made), strict=True))
+    if hasattr(s, "shape") and hasattr(m, "shape") and tuple(s.shape) != tuple(m.shape)
+  ]
+  if not wrong:
+    return
+  paths = [_tree.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+  found = "; ".join(
+    f"{paths[i]} is {list(leaves[i].shape)}, "
+    f"init makes {list(jax.tree.leaves(made)[i].shape)}"
+    for i in wrong[:4]
+  )
+  raise ValueError(
+    f"{owner}: the optimizer state does not fit these {what}: {found}"
+    f"{' ...' if len(wrong) > 4 else ''}. Its inner_state was made for "
+    f"{what} of other shapes: pass gradients of the parameters' shapes, the "
+    "parameters it was made for, or init a fresh state for these."
+  )
 
 
 def changed_leaves(memo: InitMemo, like: Any, structure: Any) -> list[str]:

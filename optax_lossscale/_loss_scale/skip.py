@@ -20,9 +20,11 @@ shape (state updated in place, updates reading it) plus one scalar predicate.
 
 The rewrite follows new state leaves into ``jax.jit``-ed and other plain
 calls (a jitted inner update keeps the saving; the call's ``in_shardings``
-and ``out_shardings`` become sharding constraints); non-array arguments (a
-line search's ``value_fn``) are closed over as constants, and state leaves
-that are not arrays are taken from the new state, as ``select_tree`` does. If the update
+and ``out_shardings`` become sharding constraints, or under explicit
+sharding the types the call gives); non-array arguments (a
+line search's ``value_fn``) are closed over as constants, and each state
+leaf is selected as :func:`select_leaf` selects it (a Python number the
+update returns for a Python number is taken from the new state). If the update
 cannot be traced to a jaxpr and evaluated again, the skip falls back to
 :func:`select_after` and says so with a :class:`SkipFallbackWarning`.
 """
@@ -47,6 +49,7 @@ __all__ = [
   "dtypes_changed",
   "select",
   "select_after",
+  "select_leaf",
   "select_tree",
   "update_on_selected_state",
 ]
@@ -63,19 +66,26 @@ def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
   return lax.select(pred, on_true, on_false)
 
 
-def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """``on_true`` where ``pred`` else ``on_false``, leaf by leaf.
+def select_leaf(pred: jax.Array, new: Any, old: Any) -> Any:
+  """One state leaf: ``new`` where ``pred`` else ``old``.
 
-  Array leaves are selected with ``lax.select`` (no host sync, no branch);
-  other leaves are taken from ``on_true``. Dtypes and shapes must match.
+  Selected with ``lax.select`` (no host sync, no branch) when either is an
+  array: in ``new``'s dtype, or in ``old``'s when ``new`` is a Python
+  number, so that a skipped step keeps ``old`` whichever of the two an
+  update made an array. Two leaves that are not arrays (Python numbers,
+  strings) are static: ``new`` is taken. float0 arrays are ``new``.
   """
+  if _tree.is_array(new):
+    return new if new.dtype == jax.dtypes.float0 else select(pred, new, old)
+  if _tree.is_array(old) and old.dtype != jax.dtypes.float0:
+    return select(pred, jnp.asarray(new, old.dtype), old)
+  return new
 
-  def one(a, b):
-    if _tree.is_array(a) and a.dtype != jax.dtypes.float0:
-      return select(pred, a, b)
-    return a
 
-  return jax.tree.map(one, on_true, on_false)
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+  """``on_true`` where ``pred`` else ``on_false``, leaf by leaf
+  (:func:`select_leaf`). Shapes must match."""
+  return jax.tree.map(lambda a, b: select_leaf(pred, a, b), on_true, on_false)
 
 
 class SkipFallbackWarning(UserWarning):
@@ -246,31 +256,40 @@ def update_on_selected_state(
   state_flat = []
   first: dict[Any, int] = {}
   for i, (v, x) in enumerate(zip(state_outvars, outs[n_updates:], strict=True)):
-    if not _tree.is_array(old_state[i]):  # a static leaf: the new one, as it
-      new = returned[i]  # was returned (select_tree takes it from on_true)
-      state_flat.append(x if _tree.is_array(new) else new)
-    elif isinstance(v, _jaxpr.Var) and v in selected and first.setdefault(v, i) == i:
+    if isinstance(v, _jaxpr.Var) and v in selected and first.setdefault(v, i) == i:
       state_flat.append(x)  # selected where it was made
-    else:  # passed through, a literal, or a repeated value: select it here
-      state_flat.append(select(should_apply, x, old_state[i]))
+    else:  # passed through, a literal, a repeated value or a Python number
+      new = x if _tree.is_array(returned[i]) else returned[i]  # as returned
+      state_flat.append(select_leaf(should_apply, new, old_state[i]))
   return (
     jax.tree.unflatten(jax.tree.structure(updates_shape), outs[:n_updates]),
     jax.tree.unflatten(jax.tree.structure(state_shape), state_flat),
   )
 
 
-def _constrain(values: list, shardings: Any) -> list:
+def _constrain(values: list, shardings: Any, avals: list) -> list:
   """``values`` with the shardings a ``jax.jit`` call gave them (where any).
 
   Evaluating a call's body in its place must keep what the call asked for:
-  ``in_shardings``/``out_shardings`` become sharding constraints.
+  ``in_shardings``/``out_shardings`` become sharding constraints. Where the
+  mesh's axes are explicit, a constraint only asserts: a value is resharded
+  to the type the call's equation gives it (``avals``) where it differs.
   """
   if shardings is None:
     return list(values)
   return [
-    lax.with_sharding_constraint(x, s) if isinstance(s, jax.sharding.Sharding) else x
-    for x, s in zip(values, shardings, strict=True)
+    _constrain_one(x, s, aval) if isinstance(s, jax.sharding.Sharding) else x
+    for x, s, aval in zip(values, shardings, avals, strict=True)
   ]
+
+
+def _constrain_one(x: Any, sharding: Any, aval: Any) -> Any:
+  explicit = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  mesh = getattr(sharding, "mesh", None)
+  if explicit is None or explicit not in getattr(mesh, "axis_types", ()):
+    return lax.with_sharding_constraint(x, sharding)
+  want = aval.sharding.spec
+  return x if jax.typeof(x).sharding.spec == want else jax.sharding.reshard(x, want)
 
 
 def _evaluate_selecting(
@@ -319,11 +338,13 @@ def _evaluate_selecting(
     if not positions:
       return _jaxpr.bind(eqn, invals)
     params = eqn.params
-    invals = _constrain(invals, params.get("in_shardings"))
+    in_avals = [v.aval for v in eqn.invars]
+    invals = _constrain(invals, params.get("in_shardings"), in_avals)
     run = _selecting_body(_jaxpr.call_key(eqn), tuple(positions))
     outs = run(pred, sub_olds, *invals)
     applied.update(moved)
-    return _constrain(outs, params.get("out_shardings"))
+    out_avals = [v.aval for v in eqn.outvars]
+    return _constrain(outs, params.get("out_shardings"), out_avals)
 
   def on_output(v, x):
     if v in olds and v not in applied:

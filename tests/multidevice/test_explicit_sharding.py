@@ -22,6 +22,7 @@ given.
 
 import contextlib
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -149,6 +150,55 @@ def test_the_loss_scale_decides_as_one_device(mode, layout, half):
   rtol = 1e-4 if half == "float16" else 4e-3
   for k in params:
     np.testing.assert_allclose(params[k], ref_params[k], rtol=rtol, atol=rtol * 0.1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("out_spec", [P(), P("data")], ids=["replicated", "sharded"])
+def test_a_jitted_inner_update_with_out_shardings_keeps_its_skip(mode, out_spec):
+  """The skip evaluates a jit's body in its place, its outputs as the jit
+  gives them: a constraint under auto axes, the call's types under explicit
+  ones (where a constraint only asserts), with no fallback to the select
+  after the update."""
+  mesh = make_mesh(mode)
+  sgd = optax.sgd(1e-2, momentum=0.9)
+  core = jax.jit(sgd.update, out_shardings=NamedSharding(mesh, out_spec))
+  inner = optax.GradientTransformation(sgd.init, lambda g, s, p=None: core(g, s, p))
+  tx = ols.dynamic_loss_scale(inner, initial_scale=4.0)
+  context = jax.set_mesh(mesh) if mode == "explicit" else contextlib.nullcontext()
+  with context, warnings.catch_warnings():
+    warnings.simplefilter("error", ols.SkipFallbackWarning)
+    rows = NamedSharding(mesh, P("data"))
+    params = {"w": jax.device_put(jnp.arange(8.0 * 4), rows)}
+    g = np.linspace(0.1, 0.8, 8 * 4, dtype=np.float32) * 4
+    grads = {"w": jax.device_put(g, rows)}
+    nan = {"w": jax.device_put(np.where(np.arange(g.size) == 3, np.nan, g), rows)}
+    state = jax.jit(tx.init)(params)
+    plain_u, plain_s = jax.jit(inner.update)(
+      jax.tree.map(lambda g: g / 4.0, grads), state.inner_state, params
+    )
+    for bad in (False, True):
+      u, new = jax.jit(tx.update)(nan if bad else grads, state, params)
+      want = (
+        (jax.tree.map(jnp.zeros_like, plain_u), state.inner_state)
+        if bad
+        else (
+          plain_u,
+          plain_s,
+        )
+      )
+      np.testing.assert_array_equal(u["w"], want[0]["w"])
+      np.testing.assert_array_equal(
+        new.inner_state[0].trace["w"], want[1][0].trace["w"]
+      )
+      if not bad:  # the same types and shardings as the inner update's own
+        for x, y in zip(
+          jax.tree.leaves((u, new.inner_state)), jax.tree.leaves(want), strict=True
+        ):
+          assert jax.typeof(x) == jax.typeof(y)
+          assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (
+            x.sharding,
+            y.sharding,
+          )
 
 
 @pytest.mark.parametrize("mode", MODES)
