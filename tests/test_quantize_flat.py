@@ -21,6 +21,7 @@ program: a last-place difference stochastic rounding turns into other codes
 bfloat16 parameter is left out of that one case.
 """
 
+import dataclasses
 import inspect
 
 import jax
@@ -394,3 +395,112 @@ def test_no_parameters_and_gradients_of_another_dtype():
   with pytest.raises(ValueError, match=r"\['w'\]"):  # still a check of the shapes
     other = dict(grads[0], w=jnp.ones((40, 301)))
     update(other, s_flat)
+
+
+@jax.custom_vjp
+def _straight_through_round(x):  # rounds; its derivative is 1
+  return jnp.round(x)
+
+
+_straight_through_round.defvjp(lambda x: (jnp.round(x), None), lambda _, g: (g,))
+
+
+def _elementwise(f):
+  return optax.GradientTransformation(
+    lambda p: optax.EmptyState(), lambda u, s, p=None: (jax.tree.map(f, u), s)
+  )
+
+
+@pytest.mark.parametrize(
+  "f",
+  [jax.nn.relu, lambda g: _straight_through_round(g * 10.0) / 10.0],
+  ids=["custom_jvp (relu)", "custom_vjp (straight-through rounding)"],
+)
+def test_a_custom_derivative_in_the_update_is_kept(f):
+  """jax.grad through the update uses a custom_jvp/custom_vjp rule as the
+  per-leaf layout and bare optax do (at 0, relu's is 0; the straight-
+  through one is 1 where the rounding's own is 0)."""
+  params = {"w": jnp.ones((16, 32))}
+  grads = {"w": jnp.zeros((16, 32)).at[:, :8].set(0.3)}
+  inner = optax.chain(_elementwise(f), optax.sgd(1.0, momentum=0.9))
+  derivatives = []
+  for layout in ("leaf", "flat"):
+    tx = ols.quantize_state(inner, layout=layout, min_size=0)
+    state = tx.init(params)
+    loss = lambda g, tx=tx, state=state: jnp.sum(tx.update(g, state, params)[0]["w"])  # noqa: E731
+    derivatives.append(jax.grad(loss)(grads)["w"])
+  plain = lambda g: jnp.sum(inner.update(g, inner.init(params), params)[0]["w"])  # noqa: E731
+  np.testing.assert_array_equal(derivatives[0], derivatives[1])
+  np.testing.assert_array_equal(derivatives[1], jax.grad(plain)(grads)["w"])
+
+
+def test_constants_that_print_alike_are_not_one_program():
+  """Two leaves whose programs differ only in a constant that numpy prints
+  alike (to 8 digits) are run each with its own."""
+  factors = {"a": 1.23456e-4, "b": 1.23457e-4}
+  scaled = optax.GradientTransformation(
+    lambda p: optax.EmptyState(),
+    lambda u, s, p=None: (jax.tree.map(lambda g, k: g * k, u, factors), s),
+  )
+  inner = optax.chain(optax.sgd(1.0, momentum=0.9), scaled)
+  params = {"a": jnp.ones(512), "b": jnp.ones(512)}
+  results = []
+  for layout in ("leaf", "flat"):
+    tx = ols.quantize_state(inner, layout=layout, min_size=0)
+    results.append(jax.jit(tx.update)(params, tx.init(params), params)[0])
+  _same(results[0], results[1])
+  assert float(results[1]["b"][0]) == -np.float32(1.23457e-4)
+
+
+BAD_GRADIENTS = {
+  "complex": (lambda g: g.astype(jnp.complex64), "real floating"),
+  "a Python number": (lambda g: 0.5, None),  # taken: broadcast, as optax does
+}
+
+
+@pytest.mark.parametrize("case", BAD_GRADIENTS)
+def test_gradients_either_layout_refuses_or_takes_alike(case):
+  make, error = BAD_GRADIENTS[case]
+  params = {"w": jnp.linspace(-1.0, 1.0, 256), "b": jnp.ones(8)}
+  grads = dict(params, w=make(params["w"]))
+  results = []
+  for layout in ("leaf", "flat"):
+    tx = ols.quantize_state(optax.adam(1e-3), layout=layout, min_size=0)
+    state = tx.init(params)
+    if error:
+      with pytest.raises(ValueError, match=error):
+        tx.update(grads, state, params)
+      continue
+    u, s = tx.update(grads, state, params)
+    results.append((u, ols.dequantize_state(s)))
+  if results:
+    _same(results[0], results[1])
+
+
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+@pytest.mark.parametrize("part", ["codes", "scales"])
+def test_codes_or_scales_of_another_dtype_are_refused(layout, part):
+  params = {"w": jnp.linspace(-1.0, 1.0, 600).reshape(20, 30)}
+  tx = ols.quantize_state(optax.adam(1e-3), layout=layout, min_size=0)
+  state = tx.init(params)
+  stored = lambda x: isinstance(x, ols.QuantizedLeaf)  # noqa: E731
+  other = {"codes": jnp.int8, "scales": jnp.float16}[part]
+  state = jax.tree.map(
+    lambda x: (
+      dataclasses.replace(x, **{part: getattr(x, part).astype(other)})
+      if stored(x)
+      else x
+    ),
+    state,
+    is_leaf=stored,
+  )
+  with pytest.raises(ValueError, match=f"{part} {jnp.dtype(other).name}"):
+    tx.update(params, state, params)
+
+
+def test_the_flat_update_leaks_no_tracer():
+  params = {"w": jnp.linspace(-1.0, 1.0, 512)}
+  tx = ols.quantize_state(optax.adam(1e-3), layout="flat", min_size=0)
+  state = tx.init(params)
+  with jax.checking_leaks():
+    jax.jit(tx.update)(params, state, params)

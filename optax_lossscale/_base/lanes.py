@@ -42,7 +42,7 @@ ELEMENTWISE = frozenset(
 #: Primitives that leave a lane's elements in their row-major order.
 _SAME_ORDER = frozenset({"reshape", "squeeze", "expand_dims", "broadcast_in_dim"})
 #: Where a call-like equation holds its body.
-_BODY_KEYS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_BODY_KEYS = ("jaxpr", "call_jaxpr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,8 +78,11 @@ class _Lit:
 
 
 def _body(eqn: Any) -> tuple | None:
-  name = eqn.primitive.name
-  if name in _jaxpr.CALLS or name.startswith(("custom_jvp_call", "custom_vjp_call")):
+  """The body of a call that computes what its body computes, to be
+  inlined; ``None`` for any other equation. A ``custom_jvp``/``custom_vjp``
+  call is kept whole (evaluated leaf by leaf): inlined, its body would
+  lose the derivative rule ``jax.grad`` through the update must use."""
+  if eqn.primitive.name in _jaxpr.CALLS:
     for key in _BODY_KEYS:
       body = eqn.params.get(key)
       if isinstance(body, (_jaxpr.ClosedJaxpr, _jaxpr.Jaxpr)):
@@ -190,7 +193,7 @@ class _Analysis:
   def desc(self, k: Any) -> tuple:
     """How a program reads ``k``: the same description for the same value."""
     if isinstance(k, _Lit):
-      return ("lit", repr(k.val), str(np.result_type(k.val)))
+      return ("lit", _value_key(k.val))
     kind = self.kind[k]
     if kind == "s":
       return ("s", self.number.get(k, k))
@@ -289,7 +292,19 @@ def _keeps_order(eqn: Any) -> bool:
 
 
 def _params(eqn: Any) -> tuple:
-  return tuple(sorted((k, repr(v)) for k, v in eqn.params.items()))
+  return tuple(sorted((k, _value_key(v)) for k, v in eqn.params.items()))
+
+
+def _value_key(v: Any) -> Any:
+  """``v`` as a key two values share only when they are equal: an array by
+  its dtype, shape and bytes (its ``repr`` rounds the digits), a tuple or
+  list item by item, anything else by its ``repr``."""
+  if isinstance(v, (np.ndarray, np.generic, jax.Array, int, float, complex, bool)):
+    a = np.asarray(v)
+    return ("array", str(np.result_type(v)), a.shape, a.tobytes())
+  if isinstance(v, (tuple, list)):
+    return (type(v).__name__, tuple(_value_key(x) for x in v))
+  return repr(v)
 
 
 # --------------------------------------------------------------------------

@@ -28,6 +28,7 @@ __all__ = [
   "QuantizedLeaf",
   "block_extremes",
   "blocks",
+  "check_real",
   "code_blocks",
   "decode_blocks",
   "dynamic_map",
@@ -377,12 +378,17 @@ def encode_many(
   an element's index to make it its index in its own leaf, which the
   stochastic rounding's random numbers hash."""
   for x in xs:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(
-        f"quantize_state encodes real floating arrays, got a {jnp.dtype(x.dtype).name} "
-        f"array of shape {tuple(x.shape)}."
-      )
+    check_real(x.dtype, x.shape)
   return _encode_many(list(xs), firsts, block_size, sqrt, stochastic)
+
+
+def check_real(dtype: Any, shape: tuple) -> None:
+  """A ValueError unless ``dtype`` is a real floating dtype: what is encoded."""
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(
+      f"quantize_state encodes real floating arrays, got a {jnp.dtype(dtype).name} "
+      f"array of shape {tuple(shape)}."
+    )
 
 
 # One program, not hundreds of operations dispatched one by one where it

@@ -288,7 +288,8 @@ def flat_update(
     s = jax.tree.unflatten(s_def, leaves[n_u : n_u + n_s])
     p = jax.tree.unflatten(p_def, leaves[n_u + n_s :]) if p_def is not None else None
     new_u, new_s = update(u, s, p, **extra_args)
-    made.append(jax.tree_util.tree_flatten_with_path(new_u))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(new_u)
+    made.append(([path for path, _ in paths], treedef))  # not the tracers
     return jax.tree.leaves(new_u), s_def.flatten_up_to(new_s)
 
   closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(
@@ -299,14 +300,31 @@ def flat_update(
   def lanes_of(paths):  # a parameter's lane, where it has quantised state
     return [lane if (lane := owners.get(tuple(p))) in stored else None for p in paths]
 
-  u_lanes = lanes_of(p for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0])
-  p_lanes = [lane if lane in stored else None for lane in range(len(p_leaves))]
+  def of_shape(lanes, leaves):  # a value of another shape is not its lane's
+    return [
+      lane if lane is not None and jnp.shape(x) == lane_shapes[lane] else None
+      for lane, x in zip(lanes, leaves, strict=True)
+    ]
+
+  u_lanes = of_shape(
+    lanes_of(p for p, _ in jax.tree_util.tree_flatten_with_path(updates)[0]), u_leaves
+  )
+  p_lanes = of_shape(
+    [lane if lane in stored else None for lane in range(len(p_leaves))], p_leaves
+  )
+  check_unsharded(
+    [
+      x
+      for x, lane in zip([*u_leaves, *p_leaves], [*u_lanes, *p_lanes], strict=True)
+      if lane is not None
+    ]
+  )
   outs, flats = _lanes.flat_evaluate(
     closed,
     [*u_leaves, *[None if is_grouped(x) else x for x in s_leaves], *p_leaves],
     in_lanes=[*u_lanes, *s_lanes, *p_lanes],
     in_slots=[*[("updates",)] * n_u, *s_slots, *[("params",)] * len(p_leaves)],
-    out_lanes=[*lanes_of(p for p, _ in new_u_paths), *s_lanes],
+    out_lanes=[*lanes_of(new_u_paths), *s_lanes],
     out_slots=[*[("new updates",)] * n_new_u, *[("new",) + s for s in s_slots]],
     shapes=lane_shapes,
     align=block_size,
@@ -319,6 +337,8 @@ def flat_update(
   new_leaves = list(outs[n_new_u:])
   new_groups_dtype = []
   for idx in members:
+    for i in idx:  # what the per-leaf layout refuses, with its message
+      _codec.check_real(out_shape[1][i].dtype, out_shape[1][i].shape)
     dtypes = {jnp.dtype(out_shape[1][i].dtype) for i in idx}
     if len(dtypes) != 1:
       raise ValueError(

@@ -236,7 +236,9 @@ def quantize_state(
       but runs longer and holds more temporary memory, for it gathers the
       gradients into flat arrays; BENCHMARKS.md, 8-bit optimizer state).
       The same blocks, codes and scales; ``init`` refuses a leaf to
-      quantise that is sharded explicitly.
+      quantise that is sharded explicitly. A ``custom_jvp`` or
+      ``custom_vjp`` function in the inner update is run leaf by leaf, so
+      that ``jax.grad`` through the update uses its rule.
 
   Returns:
     A :class:`StateQuantizer` (an ``optax.GradientTransformationExtraArgs``)
@@ -251,7 +253,13 @@ def quantize_state(
       where nothing would be quantised while leaves of a state it does not
       know have the parameters' shapes (naming them: pass ``select``);
       ``update`` with a state made for other parameters or by another
-      transformation (naming the leaf).
+      transformation, or whose codes or scales changed dtype (naming the
+      leaf), and where the inner update makes a complex value of a
+      quantised leaf; with ``layout="flat"``, ``update`` where gradients or
+      parameters of quantised leaves are sharded explicitly, or where the
+      inner update makes the leaves of one group in several dtypes (a
+      bfloat16 gradient beside a float32 one: ``layout="leaf"`` takes
+      them).
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_lossscale as ols
@@ -461,9 +469,10 @@ def _selected(select: Callable, path: tuple, x: Any) -> bool:
 
 
 def _check_layout(expected: Any, state: Any) -> None:
-  """``state`` has ``expected``'s structure and shapes, or a ValueError
-  naming the first leaf that differs. Not its dtypes: an inner state's
-  leaf may change dtype in an update (Adam's ``mu`` of bfloat16 parameters
+  """``state`` has ``expected``'s structure and shapes, and quantised
+  leaves' codes and scales their dtypes, or a ValueError naming the first
+  leaf that differs. Not the dtypes of the values: an inner state's leaf
+  may change dtype in an update (Adam's ``mu`` of bfloat16 parameters
   becomes float32 with float32 gradients), and ``expected`` is made from
   the gradients' dtypes when ``update`` is given no parameters."""
   got = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_stored)[0]
@@ -486,9 +495,10 @@ def _describe(x: Any, dtype: bool = True) -> str:
   if x is None:
     return "nothing"
   name = lambda d: jnp.dtype(d).name if dtype else ""  # noqa: E731
-  if _is_quantized(x):
+  if _is_quantized(x):  # its codes' and scales' dtypes are this library's own
     return (
-      f"quantised {name(x.dtype)}{list(x.codes.shape)} (scales "
+      f"quantised {name(x.dtype)}{list(x.codes.shape)} (codes "
+      f"{jnp.dtype(x.codes.dtype).name}, scales {jnp.dtype(x.scales.dtype).name}"
       f"{list(x.scales.shape)}, block_size {x.block_size}, store_sqrt {x.sqrt})"
     )
   if isinstance(x, GroupedLeaf):

@@ -242,3 +242,10 @@ def test_the_flat_layout_refuses_explicitly_sharded_leaves():
   tx = ols.quantize_state(optax.adam(1e-2), min_size=1024, layout="flat")
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="layout='leaf'"):
     tx.init(params)
+  # and update, where the state was made on unsharded parameters
+  state = tx.init(init_params())
+  for sharded in ("gradients", "params"):
+    grads = params if sharded == "gradients" else init_params()
+    given = params if sharded == "params" else init_params()
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="layout='leaf'"):
+      jax.jit(tx.update)(grads, state, given)
