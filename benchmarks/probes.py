@@ -22,9 +22,13 @@ Not part of the report's tables; each probe prints what it measured:
   149-leaf transformer, compiled with 2 to 64 leaves per reduction and as
   one concatenation (XLA's bytes for each), against Adam's update step on
   that tree: what the check adds to the loss scale's compile time.
+* trace: seconds to trace and to lower the update step on that tree's
+  bfloat16 parameters, for Adam, ``master_weights(adam)``, the loss scale
+  over it, and the loss scale over ``master_weights`` over flat 8-bit
+  Adam: the part of the compile time spent in Python, before XLA.
 
 Run:  python benchmarks/probes.py [read] [mlp] [f16] [kernels] [faults] [jitted]
-[compile] (no argument: all seven).
+[compile] [trace] (no argument: all eight).
 """
 
 from __future__ import annotations
@@ -301,8 +305,54 @@ def probe_compile(rounds=3):
     )
 
 
+def probe_trace(rounds=3):
+  from gpu_transformer import init_decoder
+
+  params = init_decoder(jax.random.key(0), vocab=256, d_model=128, layers=12, seq=64)
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  flat = lambda: ols.quantize_state(optax.adam(w.LR), layout="flat")  # noqa: E731
+  rows = {
+    "adam": lambda: optax.adam(w.LR),
+    "master_weights(adam)": lambda: ols.master_weights(optax.adam(w.LR)),
+    "dynamic_loss_scale(master_weights(adam))": lambda: ols.dynamic_loss_scale(
+      ols.master_weights(optax.adam(w.LR))
+    ),
+    "all three, flat": lambda: ols.dynamic_loss_scale(ols.master_weights(flat())),
+  }
+  print(
+    f"trace / lower seconds ({rounds} rounds, each a new program), "
+    f"{len(jax.tree.leaves(params))} bfloat16 leaves:"
+  )
+  for name, make in rows.items():
+    cells = []
+    for _ in range(rounds):
+      tx = make()
+      state = tx.init(params)
+
+      def step(p, s, g, tx=tx):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+      start = time.perf_counter()
+      traced = jax.jit(step).trace(params, state, grads)
+      middle = time.perf_counter()
+      traced.lower()
+      cells.append(f"{middle - start:.2f} / {time.perf_counter() - middle:.2f}")
+    print(f"  {name}: {', '.join(cells)} s")
+
+
 def main(argv):
-  which = argv or ["read", "mlp", "f16", "kernels", "faults", "jitted", "compile"]
+  which = argv or [
+    "read",
+    "mlp",
+    "f16",
+    "kernels",
+    "faults",
+    "jitted",
+    "compile",
+    "trace",
+  ]
   if "read" in which:
     probe_read()
   if "mlp" in which:
@@ -317,6 +367,8 @@ def main(argv):
     probe_jitted()
   if "compile" in which:
     probe_compile()
+  if "trace" in which:
+    probe_trace()
 
 
 if __name__ == "__main__":

@@ -401,3 +401,21 @@ def test_distinct_leaf_sizes_add_a_constant_number_of_kernels():
     total[n] = len(ours.splitlines()) / len(bare.splitlines())
   assert extra[60] - extra[20] <= 2 and 0 < extra[20] <= 40, extra  # was 34, 131
   assert all(r < 1.7 for r in total.values()), total
+
+
+@pytest.mark.parametrize("store", ["remainder", "float32"])
+def test_master_weights_traces_a_leaf_s_work_once_per_shape(store, monkeypatch):
+  """60 bfloat16 leaves of two shapes (shapes no other test uses, so that
+  JAX's cache of traces holds none of them): the per-leaf rounding is
+  traced twice, once a shape, not once a leaf (BENCHMARKS.md, trace time)."""
+  from optax_lossscale._base import rounding
+
+  name = "split_remainder" if store == "remainder" else "round_to"
+  seen = []
+  real = getattr(rounding, name)
+  monkeypatch.setattr(rounding, name, lambda x, *a: seen.append(x.shape) or real(x, *a))
+  shapes = [(7, 13 + (store == "float32")), (11 + (store == "float32"),)]
+  params = {f"p{i}": jnp.ones(shapes[i % 2], jnp.bfloat16) for i in range(60)}
+  tx = ols.dynamic_loss_scale(ols.master_weights(optax.adam(1e-3), store=store))
+  jax.jit(tx.update).trace(params, tx.init(params), params)
+  assert sorted(seen) == sorted(shapes)

@@ -148,6 +148,39 @@ def _master_of(p: Any, kept: Any) -> Any:
   return kept
 
 
+# A leaf's work is one jax.jit, which JAX traces once for each shape and
+# dtype, not once for each leaf: the trace of a tree of hundreds of leaves
+# takes half the time (BENCHMARKS.md, investigation log: trace).
+@jax.jit
+def _masters(
+  p: jax.Array, kept: jax.Array, u: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """A half-precision leaf's float32 master weight and float32 gradient."""
+  return _master_of(p, kept), _tree.widen(u).astype(_F32)
+
+
+@functools.partial(jax.jit, static_argnames="store")
+def _landed(
+  u: jax.Array, p: jax.Array, m: jax.Array, store: str
+) -> tuple[jax.Array, jax.Array]:
+  """``(update, kept)`` of a half-precision leaf: ``inner``'s update ``u``
+  applied to its master ``m`` in float32, rounded to ``p``'s dtype to
+  nearest, the update ``optax.apply_updates`` turns into exactly that, and
+  what the state keeps beyond it."""
+  m_new = m + _tree.widen(u).astype(_F32)  # apply_updates on the master
+  if store == "float32":
+    return _rounding.exact_update(_rounding.round_to(m_new, p.dtype), p), m_new
+  rounded, remainder = _rounding.split_remainder(m_new)
+  update = _rounding.exact_update(rounded, p)
+  # What apply_updates will make of it: where it cannot be the rounded
+  # value, the master weight becomes the parameter it makes.
+  applied = (p.astype(_F32) + update).astype(p.dtype)
+  landed = jax.lax.bitcast_convert_type(applied, jnp.uint16) == (
+    jax.lax.bitcast_convert_type(rounded, jnp.uint16)
+  )
+  return update, jnp.where(landed, remainder, jnp.int16(0))
+
+
 def master_weights(
   inner: optax.GradientTransformation, *, store: str = "remainder"
 ) -> MasterWeights:
@@ -247,13 +280,12 @@ def master_weights(
     treedef, paths, rows = zip_leaves("master_weights", updates, params, state.master)
     for path, (_, p, kept) in zip(paths, rows, strict=True):
       _check_kept("master_weights", path, p, kept, store)
-    masters = [_master_of(p, kept) for _, p, kept in rows]
-    grads = [
-      _tree.widen(u).astype(_F32)
-      if _rounding.is_half(p) and _tree.is_float_array(u)
-      else u
-      for u, p, _ in rows
+    half = [_rounding.is_half(p) and _tree.is_float_array(u) for u, p, _ in rows]
+    both = [
+      _masters(p, kept, u) if h else (_master_of(p, kept), u)
+      for h, (u, p, kept) in zip(half, rows, strict=True)
     ]
+    masters, grads = [m for m, _ in both], [g for _, g in both]
     grads, masters_tree = (jax.tree.unflatten(treedef, x) for x in (grads, masters))
     _opt_state.check_inner_state(
       "master_weights", memo, state.inner_state, grads, masters_tree
@@ -268,27 +300,10 @@ def master_weights(
     new_updates, new_master = [], []
     flat_updates = treedef.flatten_up_to(inner_updates)
     for u, (_, p, kept), m in zip(flat_updates, rows, masters, strict=True):
-      if not (_rounding.is_half(p) and _tree.is_float_array(u)):
-        new_updates.append(u)
-        new_master.append(kept)
-        continue
-      m_new = m + _tree.widen(u).astype(_F32)  # apply_updates on the master
-      if store == "float32":
-        new = _rounding.round_to(m_new, p.dtype)
-        update = _rounding.exact_update(new, p)
-        new_updates.append(update)
-        new_master.append(m_new)
-        continue
-      rounded, remainder = _rounding.split_remainder(m_new)
-      update = _rounding.exact_update(rounded, p)
-      # What apply_updates will make of it: where it cannot be the rounded
-      # value, the master weight becomes the parameter it makes.
-      applied = (p.astype(_F32) + update).astype(p.dtype)
-      landed = jax.lax.bitcast_convert_type(applied, jnp.uint16) == (
-        jax.lax.bitcast_convert_type(rounded, jnp.uint16)
-      )
-      new_updates.append(update)
-      new_master.append(jnp.where(landed, remainder, jnp.int16(0)))
+      if _rounding.is_half(p) and _tree.is_float_array(u):
+        u, kept = _landed(u, p, m, store)
+      new_updates.append(u)
+      new_master.append(kept)
     return (
       jax.tree.unflatten(treedef, new_updates),
       MasterWeightsState(jax.tree.unflatten(treedef, new_master), inner_state),
