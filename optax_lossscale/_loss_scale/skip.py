@@ -73,10 +73,14 @@ def select_leaf(pred: jax.Array, new: Any, old: Any) -> Any:
   array: in ``new``'s dtype, or in ``old``'s when ``new`` is a Python
   number, so that a skipped step keeps ``old`` whichever of the two an
   update made an array. Two leaves that are not arrays (Python numbers,
-  strings) are static: ``new`` is taken. float0 arrays are ``new``.
+  strings) are static: ``new`` is taken, as it is where ``old`` is
+  neither an array nor a number. float0 arrays are ``new``.
   """
+  number = isinstance(old, (bool, int, float, complex))
   if _tree.is_array(new):
-    return new if new.dtype == jax.dtypes.float0 else select(pred, new, old)
+    if new.dtype == jax.dtypes.float0 or not (number or _tree.is_array(old)):
+      return new  # nothing to select against (a string made an array)
+    return select(pred, new, old)
   if _tree.is_array(old) and old.dtype != jax.dtypes.float0:
     return select(pred, jnp.asarray(new, old.dtype), old)
   return new
