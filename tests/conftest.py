@@ -11,19 +11,23 @@ the everyday run takes a sample of it, each value of each parameter at
 least once; ``--cases rest`` runs only the cases the sample leaves out,
 ``--cases all`` every case of every test (as CI runs them).
 
-A run shares one persistent compilation cache, new for the run, among its
-pytest-xdist workers and the processes they start: a program many tests
-compile (the same emulated GEMM, the same optimizer step) is compiled once
-(BENCHMARKS.md, the test suites). A ``JAX_COMPILATION_CACHE_DIR`` of your
-own is used instead, and kept.
+Runs share one persistent compilation cache, ``.jax_cache/`` in the
+checkout (ignored by git), among their pytest-xdist workers and the
+processes they start, and keep it between runs: a program many tests
+compile (the same emulated GEMM, the same optimizer step) is compiled once,
+and a run after a change compiles again only the programs the change made
+different (JAX keys an entry by the program, the compiler's options and
+flags and the JAX version; docs/development.md has the times). Before a
+run, the entries written longest ago go until it holds at most
+:data:`CACHE_MAX_BYTES`. A
+``JAX_COMPILATION_CACHE_DIR`` of your own is used instead (an empty one: a
+run that compiles everything).
 """
 
 import contextlib
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 # Python runs `uname -p` once, the first time anything asks for the
@@ -49,7 +53,28 @@ import pytest  # noqa: E402
 
 _CACHE = "JAX_COMPILATION_CACHE_DIR"
 _MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
-_made_cache = pytest.StashKey[str]()
+#: The size the compilation cache in the checkout is cut to before a run
+#: (a whole run writes about 50 MB).
+CACHE_MAX_BYTES = 1 << 30
+
+
+def prune(path: str, max_bytes: int) -> None:
+  """Removes the files of ``path`` written longest ago until the rest hold at
+  most ``max_bytes`` (JAX's own bound needs the ``filelock`` package)."""
+  if not os.path.isdir(path):
+    return
+  entries = sorted(
+    (e.stat().st_mtime, e.stat().st_size, e.path)
+    for e in os.scandir(path)
+    if e.is_file()
+  )
+  total = sum(size for _, size, _ in entries)
+  for _, size, file in entries:
+    if total <= max_bytes:
+      break
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(file)
+    total -= size
 
 
 def pytest_addoption(parser):
@@ -75,27 +100,19 @@ def pytest_configure(config):
     "Keras, Flax) that is not written for strict dtype promotion; our own "
     "code is still checked under strict promotion by every other test.",
   )
-  # The run's compilation cache: made by the first process (pytest-xdist's
+  # The compilation cache: named by the first process (pytest-xdist's
   # controller, which starts its workers after this), inherited through the
   # environment by the workers and every process a test starts.
   if _CACHE not in os.environ and not hasattr(config, "workerinput"):
-    config.stash[_made_cache] = os.environ[_CACHE] = tempfile.mkdtemp(
-      prefix="optax_lossscale-jax-cache-"
-    )
+    os.environ[_CACHE] = str(config.rootpath / ".jax_cache")
     os.environ.setdefault(_MIN_SECONDS, "0.1")
+    prune(os.environ[_CACHE], CACHE_MAX_BYTES)
   if _CACHE in os.environ:
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
   if _MIN_SECONDS in os.environ:
     jax.config.update(
       "jax_persistent_cache_min_compile_time_secs", float(os.environ[_MIN_SECONDS])
     )
-
-
-def pytest_unconfigure(config):
-  made = config.stash.get(_made_cache, None)
-  if made is not None:
-    shutil.rmtree(made, ignore_errors=True)
-    del os.environ[_CACHE]
 
 
 def sample(cases):

@@ -3,10 +3,12 @@
 A test marked ``sampled`` is a product of parameters; without ``--cases``
 the run keeps a sample with each value of each parameter, ``--cases rest``
 only what the sample leaves out and ``--cases all`` everything
-(``tests/conftest.py``). CI runs every case.
+(``tests/conftest.py``). CI runs every case. Runs keep XLA's compiled
+programs in a cache in the checkout, cut to a size bound.
 """
 
 import itertools
+import os
 import types
 
 import pytest
@@ -110,3 +112,35 @@ def test_an_integration_test_is_never_sampled():
     config = types.SimpleNamespace(getoption=lambda name, c=cases: c)
     with pytest.raises(pytest.UsageError, match="integration suite is not sampled"):
       conftest.pytest_collection_modifyitems(config, [item])
+
+
+def test_runs_keep_their_compilation_cache_in_the_checkout(monkeypatch, tmp_path):
+  import jax
+
+  updates = {}
+  monkeypatch.setattr(jax.config, "update", updates.__setitem__)
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+  config = types.SimpleNamespace(rootpath=ROOT, addinivalue_line=lambda *a: None)
+  conftest.pytest_configure(config)  # the first process: pytest-xdist's controller
+  cache = str(ROOT / ".jax_cache")
+  assert os.environ["JAX_COMPILATION_CACHE_DIR"] == cache  # for workers, processes
+  assert updates["jax_compilation_cache_dir"] == cache
+  assert ".jax_cache/" in (ROOT / ".gitignore").read_text().splitlines()
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path))  # your own
+  conftest.pytest_configure(config)
+  assert updates["jax_compilation_cache_dir"] == str(tmp_path)
+
+
+def test_the_cache_loses_its_entries_written_longest_ago_down_to_its_bound(tmp_path):
+  sizes = {"a": 300, "b": 200, "c": 400, "d": 100}  # written in this order
+  for age, (name, size) in enumerate(sizes.items()):
+    (tmp_path / name).write_bytes(b"x" * size)
+    os.utime(tmp_path / name, (1000 + age, 1000 + age))
+  conftest.prune(str(tmp_path), 1000)  # all of it: nothing goes
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "c", "d"]
+  conftest.prune(str(tmp_path), 650)  # a and b go: c and d are 500
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["c", "d"]
+  conftest.prune(str(tmp_path), 0)
+  assert not list(tmp_path.iterdir())
+  conftest.prune(str(tmp_path / "none"), 0)  # no cache yet: nothing to do
