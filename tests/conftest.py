@@ -19,7 +19,9 @@ and a run after a change compiles again only the programs the change made
 different (JAX keys an entry by the program, the compiler's options and
 flags and the JAX version; docs/development.md has the times). Before a
 run, the entries written longest ago go until it holds at most
-:data:`CACHE_MAX_BYTES`. A
+:data:`CACHE_MAX_BYTES`. An entry a killed run left half written is
+compiled again wherever it is met (JAX warns; ``pyproject.toml`` lets that
+warning pass); deleting ``.jax_cache/`` drops it. A
 ``JAX_COMPILATION_CACHE_DIR`` of your own is used instead (an empty one: a
 run that compiles everything).
 """
@@ -54,7 +56,7 @@ import pytest  # noqa: E402
 _CACHE = "JAX_COMPILATION_CACHE_DIR"
 _MIN_SECONDS = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
 #: The size the compilation cache in the checkout is cut to before a run
-#: (a whole run writes about 50 MB).
+#: (a whole run writes about 35 MB).
 CACHE_MAX_BYTES = 1 << 30
 
 

@@ -10,6 +10,7 @@ programs in a cache in the checkout, cut to a size bound.
 import itertools
 import os
 import types
+import warnings
 
 import pytest
 from docs_blocks import ROOT
@@ -144,3 +145,20 @@ def test_the_cache_loses_its_entries_written_longest_ago_down_to_its_bound(tmp_p
   conftest.prune(str(tmp_path), 0)
   assert not list(tmp_path.iterdir())
   conftest.prune(str(tmp_path / "none"), 0)  # no cache yet: nothing to do
+
+
+def test_an_entry_a_killed_run_left_half_written_is_compiled_again():
+  import inspect
+
+  from jax._src import compiler
+
+  # JAX's words when it cannot read an entry (then it compiles the program)
+  words = "Error reading persistent compilation cache entry for "
+  assert words in inspect.getsource(compiler)
+  # not an error, though warnings are errors here (pyproject.toml)
+  warnings.warn(
+    words + "'jit_f': error: Error -5 while decompressing data: incomplete or "
+    "truncated stream",
+    UserWarning,
+    stacklevel=1,
+  )
