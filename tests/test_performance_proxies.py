@@ -342,6 +342,28 @@ def test_finite_check_is_not_a_reduction_per_leaf():
   assert not bool(ols.all_finite(tree))
 
 
+def test_leaves_of_one_shape_are_combined_unraveled():
+  """Leaves of one shape are combined before any reshape.
+
+  XLA's simplifier moves a reshape past one elementwise maximum per round
+  of its pipeline: a chain of raveled leaves of one shape made it run once
+  per leaf of the chunk (14 rounds instead of 2 on the 149-leaf tree, half
+  a second of compile time). Now only the combined result of each shape is
+  raveled, where one size has several shapes.
+  """
+  chunk = _finite.FINITE_CHECK_CHUNK
+  tree = [jnp.ones((16, 8)) for _ in range(chunk)]  # one shape: nothing raveled
+  tree += [jnp.ones((8, 16)) if i % 2 else jnp.ones((4, 32)) for i in range(chunk)]
+  eqns = jax.make_jaxpr(ols.all_finite)(tree).jaxpr.eqns
+  reshapes = [e for e in eqns if e.primitive.name == "reshape"]
+  assert len(reshapes) == 2, [e.params["new_sizes"] for e in reshapes]
+  assert bool(ols.all_finite(tree))
+  for i in (0, chunk - 1, chunk, 2 * chunk - 1):
+    bad = list(tree)
+    bad[i] = bad[i].at[3, 5].set(jnp.nan if i % 2 else -jnp.inf)
+    assert not bool(ols.all_finite(bad)), i
+
+
 @versions.xla_figures
 def test_the_flag_is_not_recomputed_in_every_kernel():
   """Every kernel reads the finite flag from one reduction, not from all of them.

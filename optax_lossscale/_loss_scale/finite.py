@@ -128,17 +128,15 @@ def leaves_finite(
   is folded into the one reduction with the other chunks' verdicts, so the
   flag stays that reduction's output.
   """
-  # Leaves are grouped by size and dtype (raveled) or, when their type
-  # names mesh axes (explicit sharding), by shape, dtype and partition spec:
-  # arrays of other specs cannot be combined elementwise, concatenated, or
-  # always raveled. Each group ends in one reduction to a replicated scalar.
+  # Leaves are grouped by size and dtype or, when their type names mesh
+  # axes (explicit sharding), by shape, dtype and partition spec: arrays of
+  # other specs cannot be combined elementwise, concatenated, or always
+  # raveled. Each group ends in one reduction to a replicated scalar.
   groups: dict[tuple[Any, Any, Any], list[jax.Array]] = {}
   for x in leaves:
     if not is_float_array(x):
       continue
     spec = explicit_spec(x)
-    if spec is None:
-      x = jnp.ravel(x)
     for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
       part = _tested(part)
       size = part.size if spec is None else part.shape
@@ -156,14 +154,12 @@ def leaves_finite(
   ]:
     small.setdefault(key[1], []).extend(groups.pop(key))
   for dtype, parts in small.items():
-    groups[(-1, dtype, None)] = [jnp.concatenate(parts)]
+    groups[(-1, dtype, None)] = [jnp.concatenate([jnp.ravel(p) for p in parts])]
   chunks = []  # (the elementwise maximum of up to `chunk` leaves, all ones)
   for parts in groups.values():
-    for i in range(0, len(parts) if parts[0].size else 0, chunk):
-      acc, mask = _exponent_bits(parts[i])
-      for part in parts[i + 1 : i + chunk]:
-        acc = jnp.maximum(acc, _exponent_bits(part)[0])
-      chunks.append((acc, mask))
+    if parts[0].size:
+      parts = sorted(parts, key=lambda p: p.shape)  # one shape's leaves together
+      chunks += [_combined(parts[i : i + chunk]) for i in range(0, len(parts), chunk)]
   if not chunks:
     return jnp.array(True) if bad is None else jnp.logical_not(bad)
   receiver, mask = min(chunks, key=lambda c: c[0].size)
@@ -174,6 +170,26 @@ def leaves_finite(
     bad = jnp.any(jnp.stack(others))
     receiver = jnp.maximum(receiver, jnp.where(bad, mask, 0).astype(receiver.dtype))
   return jnp.max(receiver) != mask
+
+
+def _combined(parts: list[jax.Array]) -> tuple[jax.Array, int]:
+  """``(the elementwise maximum of the exponent bits of parts of one size
+  and dtype, the all-ones exponent)``.
+
+  Parts of one shape are combined as they are, and only the results of
+  different shapes raveled: XLA's simplifier moves a reshape past one
+  maximum per round of its pipeline, so a chain of raveled leaves of one
+  shape made it run once per leaf (BENCHMARKS.md, investigation log).
+  """
+  by_shape: dict[tuple[int, ...], jax.Array] = {}
+  for part in parts:
+    bits, mask = _exponent_bits(part)
+    acc = by_shape.get(part.shape)
+    by_shape[part.shape] = bits if acc is None else jnp.maximum(acc, bits)
+  accs = list(by_shape.values())
+  if len(accs) > 1:
+    accs = [jnp.ravel(a) for a in accs]
+  return functools.reduce(jnp.maximum, accs), mask
 
 
 #: Bits of :func:`nonfinite_kinds`' codes: the leaf holds a NaN, an infinity.
