@@ -9,7 +9,8 @@ value the array never held. Every place the package widens a half leaf
 ``master_weights``) reads the leaf's bits instead.
 
 Axes: the entry point (``stochastic_rounding``, ``kahan_summation``,
-``master_weights`` both stores, ``dynamic_loss_scale`` unscaling into the
+``master_weights`` both stores, ``ema_params``' average of the parameters
+the step makes, ``dynamic_loss_scale`` unscaling into the
 leaf's dtype and into float32) x the half dtype (bfloat16, float16), the
 half values made in the step itself (an SGD step or a gradient multiplied
 in half precision): the jitted step equals the eager one, bit for bit.
@@ -67,11 +68,22 @@ def _loss_scale(inner):
   return step
 
 
+def _ema():
+  tx = optax.chain(optax.sgd(0.37), ols.ema_params(0.9))  # sgd's update in half
+
+  def step(p, g):
+    updates, state = tx.update(g, tx.init(p), p)
+    return updates, ols.get_ema_params(state)
+
+  return step
+
+
 STEPS = {
   "stochastic_rounding": lambda dtype: _rounding(lambda: ols.stochastic_rounding(0)),
   "kahan_summation": lambda dtype: _rounding(ols.kahan_summation),
   "master_weights remainder": lambda dtype: _master("remainder"),
   "master_weights float32": lambda dtype: _master("float32"),
+  "ema_params": lambda dtype: _ema(),
   "dynamic_loss_scale": lambda dtype: _loss_scale(optax.sgd(1.0)),
   "dynamic_loss_scale(master_weights)": lambda dtype: _loss_scale(
     ols.master_weights(
@@ -92,6 +104,10 @@ def test_jit_equals_eager_bit_for_bit(name, dtype):
   eager, jitted = step(p, g), jax.jit(step)(p, g)
   for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), name
+  if name == "ema_params":  # the first average: the parameters the update makes
+    updates, ema = jitted
+    new = np.asarray(optax.apply_updates(p, updates)["w"], np.float32)
+    assert np.asarray(ema["w"]).tobytes() == new.tobytes()
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])

@@ -45,7 +45,10 @@ def ema_params(
   """Keeps an exponential moving average of the parameters (Keras' ``use_ema``).
 
   Put it last in a chain: it sees the final updates, computes the new
-  parameters ``optax.apply_updates(params, updates)`` and averages them:
+  parameters ``optax.apply_updates(params, updates)`` (on the values the
+  updates and new parameters hold, as eagerly: not the more precise ones
+  XLA may keep for half-precision values inside a jitted step) and
+  averages them:
   ``ema = m * ema + (1 - m) * new_params``, where ``m = momentum`` except on
   the first step (``m = 0``: the average starts at the first new parameters),
   as Keras does. Under a loss scale a skipped step leaves the state untouched.
@@ -96,16 +99,15 @@ def ema_params(
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("ema_params needs the parameters: call update(..., params).")
-    new_params = optax.apply_updates(params, updates)
     m = jnp.where(state.count == 0, 0.0, momentum).astype(jnp.float32)
 
-    def average(avg, p):
+    def average(avg, p, u):
       if not _tree.is_float_array(p):
         return avg
       dt = avg.dtype
-      return m.astype(dt) * avg + (1 - m).astype(dt) * p.astype(dt)
+      return m.astype(dt) * avg + (1 - m).astype(dt) * _applied(p, u).astype(dt)
 
-    ema = jax.tree.map(average, state.ema, new_params)
+    ema = jax.tree.map(average, state.ema, params, updates)
     if overwrite_frequency is not None:
       overwrite = (state.count + 1) % overwrite_frequency == 0
 
@@ -119,6 +121,20 @@ def ema_params(
     return updates, EmaParamsState(count=optax.safe_increment(state.count), ema=ema)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _applied(p: jax.Array, u: jax.Array) -> jax.Array:
+  """``optax.apply_updates`` of one floating leaf, widened: the values the
+  new parameter holds.
+
+  A half-precision update made in the same program, and the half-precision
+  sum, are read on their bits (:func:`_tree.widen`): XLA may otherwise put
+  in their place the more precise float32 values it computed them in
+  ("excess precision"), and the average would start one rounding away from
+  the parameters ``apply_updates`` makes.
+  """
+  u = _tree.widen(u).astype(jnp.asarray(u).dtype)
+  return _tree.widen(jnp.asarray(p + u).astype(p.dtype))
 
 
 def _is_ema_state(x: Any) -> bool:
