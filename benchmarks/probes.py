@@ -26,15 +26,25 @@ Not part of the report's tables; each probe prints what it measured:
   bfloat16 parameters, for Adam, ``master_weights(adam)``, the loss scale
   over it, and the loss scale over ``master_weights`` over flat 8-bit
   Adam: the part of the compile time spent in Python, before XLA.
+* rounds: seconds to compile the update step on that tree (the loss scale
+  over Adam on float32 parameters, and over ``master_weights(adam)`` on
+  bfloat16 ones) and the rounds XLA's simplification pipeline ran (read
+  from a ``jax.profiler`` trace of the compile), with the finite check as
+  written and with every leaf raveled before it is combined (the former
+  check): what a chain of reshapes costs.
 
 Run:  python benchmarks/probes.py [read] [mlp] [f16] [kernels] [faults] [jitted]
-[compile] [trace] (no argument: all eight).
+[compile] [trace] [rounds] (no argument: all nine).
 """
 
 from __future__ import annotations
 
 import functools
+import gzip
+import json
+import pathlib
 import sys
+import tempfile
 import time
 
 import _workloads as w
@@ -50,6 +60,7 @@ from leaves import per_leaf_check
 
 import optax_lossscale as ols
 from optax_lossscale._loss_scale import config as _config
+from optax_lossscale._loss_scale import finite as _finite
 from optax_lossscale._loss_scale import skip as _skip
 
 
@@ -342,6 +353,66 @@ def probe_trace(rounds=3):
     print(f"  {name}: {', '.join(cells)} s")
 
 
+def _simplifier_rounds(compile_fn):
+  """``(seconds, rounds)``: ``compile_fn()`` timed, and the rounds of XLA's
+  simplification pipeline it ran, counted in a profiler trace of it."""
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      start = time.perf_counter()
+      compile_fn()
+      seconds = time.perf_counter() - start
+    (path,) = pathlib.Path(d).rglob("*.trace.json.gz")
+    events = json.loads(gzip.open(path).read())["traceEvents"]
+  rounds = sum(1 for e in events if e.get("name", "").startswith("simplification ("))
+  return seconds, rounds
+
+
+def _raveled_combined(parts):
+  """The former check: every leaf raveled before the chunk is combined."""
+  return _combined([jnp.ravel(p) for p in parts])
+
+
+_combined = _finite._combined
+
+
+def probe_rounds(rounds=3):
+  from gpu_transformer import init_decoder
+
+  p32 = init_decoder(jax.random.key(0), vocab=256, d_model=128, layers=12, seq=64)
+  rows = {
+    "dynamic_loss_scale(adam)": (jnp.float32, ols.dynamic_loss_scale),
+    "dynamic_loss_scale(master_weights(adam)), bfloat16": (
+      jnp.bfloat16,
+      lambda tx: ols.dynamic_loss_scale(ols.master_weights(tx)),
+    ),
+  }
+  print(
+    f"compile seconds and simplifier rounds ({rounds} rounds, each a new "
+    f"program), {len(jax.tree.leaves(p32))} leaves:"
+  )
+  for name, (dtype, wrap) in rows.items():
+    params = jax.tree.map(lambda p, d=dtype: p.astype(d), p32)
+    grads = jax.tree.map(lambda p: p * 1e-3, params)
+    for check, combined in (("as written", _combined), ("raveled", _raveled_combined)):
+      cells = []
+      _finite._combined = combined
+      try:
+        for r in range(rounds):
+          tx = wrap(optax.adam(w.LR))
+          state = tx.init(params)
+
+          def step(p, s, g, tx=tx, tag=r):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s, np.int32(tag)
+
+          lowered = jax.jit(step).lower(params, state, grads)
+          seconds, n = _simplifier_rounds(lowered.compile)
+          cells.append(f"{seconds:.2f} s / {n}")
+      finally:
+        _finite._combined = _combined
+      print(f"  {name}, check {check}: {', '.join(cells)}")
+
+
 def main(argv):
   which = argv or [
     "read",
@@ -352,6 +423,7 @@ def main(argv):
     "jitted",
     "compile",
     "trace",
+    "rounds",
   ]
   if "read" in which:
     probe_read()
@@ -369,6 +441,8 @@ def main(argv):
     probe_compile()
   if "trace" in which:
     probe_trace()
+  if "rounds" in which:
+    probe_rounds()
 
 
 if __name__ == "__main__":

@@ -5,11 +5,13 @@ reports deterministically: bytes accessed, temporary memory, copies and
 reductions in the compiled step.
 """
 
+import functools
 import os
 import re
 import sys
 import warnings
 
+import benchmark_modules
 import chex
 import jax
 import jax.numpy as jnp
@@ -362,6 +364,29 @@ def test_leaves_of_one_shape_are_combined_unraveled():
     bad = list(tree)
     bad[i] = bad[i].at[3, 5].set(jnp.nan if i % 2 else -jnp.inf)
     assert not bool(ols.all_finite(bad)), i
+
+
+@versions.xla_figures
+def test_xla_sinks_a_reshape_past_one_maximum_a_round():
+  """The reason for combining leaves of one shape unraveled, held on XLA.
+
+  A chain of maxima of raveled leaves of one shape costs XLA's
+  simplification pipeline a round per leaf (rounds counted as
+  ``probes.py rounds`` counts them, in a profiler trace of the compile).
+  If XLA learns to sink the chain at once, this fails and the comment in
+  ``finite._combined`` can go.
+  """
+  probes = benchmark_modules.load("probes")
+  leaves = [jnp.full((24, 40), i, jnp.uint32) for i in range(12)]
+
+  def chain(ravel):
+    def f(xs):
+      xs = [jnp.ravel(x) if ravel else x for x in xs]
+      return functools.reduce(jnp.maximum, xs)
+
+    return probes._simplifier_rounds(jax.jit(f).lower(leaves).compile)[1]
+
+  assert chain(ravel=True) >= chain(ravel=False) + 8
 
 
 @versions.xla_figures
