@@ -6,6 +6,7 @@ result files are made in a temporary directory with commands of one
 """
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -117,6 +118,11 @@ def test_anything_else_is_a_difference(old, new):
   assert diff.startswith("--- x.txt (published)\n+++ x.txt (printed now)\n"), diff
 
 
+def _written_on(folder, **cpus):
+  """Records the CPU each result file in ``folder`` was written on."""
+  (folder / regenerate.CPUS_FILE).write_text(json.dumps(cpus))
+
+
 @pytest.mark.integration
 def test_check_passes_on_a_file_that_matches_and_fails_with_a_diff_otherwise(
   tmp_path,
@@ -125,6 +131,7 @@ def test_check_passes_on_a_file_that_matches_and_fails_with_a_diff_otherwise(
   (tmp_path / "same.txt").write_text(f"{same}\nloss 1.5\ntotal time: 1.0 s\n")
   stale = _printing("loss 2.5")
   (tmp_path / "stale.txt").write_text(f"{stale}\nloss 1.5\n")
+  _written_on(tmp_path, same=regenerate.cpu(), stale=regenerate.cpu())
 
   ok = _script("--check", "--results", str(tmp_path), "same")
   assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -144,10 +151,75 @@ def test_check_passes_on_a_file_that_matches_and_fails_with_a_diff_otherwise(
 def test_regenerating_writes_the_command_line_and_what_it_printed(tmp_path):
   first = _printing("run  loss", "a    2.5")
   (tmp_path / "a.txt").write_text(f"{first}\nrun  loss\na    1.5\n")
+  _written_on(tmp_path, b="another CPU")
   result = _script("--results", str(tmp_path), "a.txt")
   assert result.returncode == 0, result.stdout + result.stderr
   assert (tmp_path / "a.txt").read_text() == f"{first}\nrun  loss\na    2.5\n"
-  assert _script("--check", "--results", str(tmp_path)).returncode == 0
+  # the file's CPU is recorded, the others' kept
+  recorded = json.loads((tmp_path / regenerate.CPUS_FILE).read_text())
+  assert recorded == {"a": regenerate.cpu(), "b": "another CPU"}
+  check = _script("--check", "--results", str(tmp_path), "a")
+  assert check.returncode == 0 and "not compared" not in check.stdout, check.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+  "published, passes",
+  [
+    ("run  loss\na    1.5", True),  # numbers only: not compared
+    ("run  loss\na    -1e-3", True),
+    ("run  loss\nb    2.5", False),  # a label
+    ("run  gain\na    2.5", False),  # a column
+    ("run  loss\na    2.5\na    2.5", False),  # a line
+  ],
+)
+def test_on_another_cpu_everything_but_the_numbers_is_compared(
+  published, passes, tmp_path
+):
+  first = _printing("run  loss", "a    2.5")
+  (tmp_path / "a.txt").write_text(f"{first}\n{published}\n")
+  _written_on(tmp_path, a="Another CPU; avx2")
+  result = _script("--check", "--results", str(tmp_path))
+  assert (result.returncode == 0) == passes, result.stdout + result.stderr
+  said = f"a: written on Another CPU; avx2, checked on {regenerate.cpu()}: "
+  assert said + "numbers not compared" in result.stdout
+  # a file whose CPU is not recorded is compared as on another CPU
+  (tmp_path / regenerate.CPUS_FILE).unlink()
+  result = _script("--check", "--results", str(tmp_path))
+  assert (result.returncode == 0) == passes, result.stdout + result.stderr
+  assert "a: written on a CPU not recorded, checked on" in result.stdout
+
+
+@pytest.mark.parametrize(
+  "cpuinfo, cpu",
+  [
+    (
+      "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse4_2 avx avx2 "
+      "fma f16c\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 7B13\n",
+      "AMD EPYC 7B13; sse4_2 avx avx2 fma f16c",
+    ),
+    (
+      "processor\t: 0\nFeatures\t: fp asimd fphp sve\nCPU part\t: 0xd40\n",
+      "0xd40; asimd sve fphp",
+    ),
+  ],
+)
+def test_the_cpu_is_its_model_and_the_instruction_sets_xla_compiles_for(
+  cpuinfo, cpu, tmp_path
+):
+  (tmp_path / "cpuinfo").write_text(cpuinfo)
+  assert regenerate.cpu(str(tmp_path / "cpuinfo")) == cpu
+  assert regenerate.cpu(str(tmp_path / "missing")) != ""
+
+
+def test_the_files_ci_checks_record_their_cpu():
+  """CI's results suite compares their numbers on the CPU they were
+  written on; every recorded name is a result file."""
+  ci = (ROOT / ".ci" / "run").read_text()
+  checked = re.search(r"regenerate\.py --check --jobs 2 ([\w ]+)", ci)[1].split()
+  recorded = regenerate.recorded_cpus(str(SCRIPT.parent))
+  assert "train_lm" in checked and set(checked) <= set(recorded), checked
+  assert all((SCRIPT.parent / f"{name}.txt").is_file() for name in recorded)
 
 
 @pytest.mark.integration

@@ -37,9 +37,20 @@ every command runs in one configuration, ``environment``: on ``CPUS`` (2)
 CPUs, the first the process may use (``os.sched_setaffinity``; the
 development machine has 2), with every ``XLA_*`` and ``JAX_*`` variable of
 the caller's environment removed and ``JAX_PLATFORMS=cpu``. A machine with
-fewer CPUs, or another CPU whose instructions XLA compiles for differently,
-may print other last digits. The plots are not compared (they are drawn from
-the numbers that are).
+fewer CPUs, or another CPU whose instructions XLA compiles for differently
+(or whose matrix libraries choose other kernels), computes other last bits,
+and a training run carries them into its printed digits (the digits MLP's
+test losses move in their third decimal). The plots are not compared (they
+are drawn from the numbers that are).
+
+So the files record the CPU they were written on, ``CPUS_FILE``
+(``cpus.json``: each file's name -> :func:`cpu`, its model name and the
+instruction sets XLA compiles for, which writing a file records). On that
+CPU ``--check`` compares every character but the timings. On another it
+cannot: it compares the text with every number masked (``NUMBER``: the
+lines, their words, the tables' columns), says so on a line ``NAME:
+written on A, checked on B: numbers not compared``, and the file is
+written again on B to compare its numbers there.
 
 Run:  python docs/results/regenerate.py [--jobs N] [NAME ...]
       python docs/results/regenerate.py --check [--jobs N] [NAME ...]
@@ -51,7 +62,9 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import difflib
+import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -69,12 +82,58 @@ PLOTS = {"lm_loss_scale_seed0.png": "train_lm_seed0"}
 # The configuration every command runs in (see the module's docstring).
 CPUS = 2
 
+# Each result file's CPU, by name (see the module's docstring).
+CPUS_FILE = "cpus.json"
+
+# The instruction sets of x86 and Arm CPUs whose presence changes what XLA
+# compiles for a CPU (its vector width, float16 and bfloat16 arithmetic).
+ISA = (
+  "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512vl avx512_vnni avx512_bf16 "
+  "avx512_fp16 avx_vnni amx_tile amx_bf16 asimd sve sve2 bf16 fphp"
+).split()
+
+# A number in a result file's text, for the comparison on another CPU.
+NUMBER = re.compile(r"(?<!\w)[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?(?!\w)")
+
 
 def environment() -> dict[str, str]:
   """The caller's environment without ``XLA_*`` and ``JAX_*``, on the CPU."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
   env["JAX_PLATFORMS"] = "cpu"
   return env
+
+
+def cpu(cpuinfo: str = "/proc/cpuinfo") -> str:
+  """This machine's CPU as the result files record it: its model name and
+  which of ``ISA`` it has (``platform.processor()`` where there is no
+  ``cpuinfo``)."""
+  try:
+    with open(cpuinfo) as f:
+      text = f.read()
+  except OSError:
+    return platform.processor() or platform.machine()
+  fields = dict(
+    (k.strip(), v.strip())
+    for k, _, v in (line.partition(":") for line in text.splitlines())
+    if v
+  )
+  model = fields.get("model name") or fields.get("CPU part") or platform.machine()
+  flags = set((fields.get("flags") or fields.get("Features") or "").split())
+  return f"{model}; {' '.join(f for f in ISA if f in flags)}"
+
+
+def numbers_masked(text: str) -> str:
+  """``text`` with every number replaced by ``#``."""
+  return NUMBER.sub("#", text)
+
+
+def recorded_cpus(results: str) -> dict[str, str]:
+  """The CPU each result file in ``results`` was written on, by name."""
+  path = os.path.join(results, CPUS_FILE)
+  if not os.path.isfile(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
 
 
 def _pin() -> None:
@@ -165,13 +224,15 @@ def plot_path(stdout: str) -> str | None:
   return None
 
 
-def difference(name: str, published: str, now: str) -> str:
+def difference(name: str, published: str, now: str, numbers: bool = True) -> str:
   """A unified diff of a result file against what its command prints now,
-  the timings rule applied to both; empty when they agree."""
+  the timings rule applied to both (and every number masked, without
+  ``numbers``); empty when they agree."""
+  mask = timings if numbers else lambda t: numbers_masked(timings(t))
   return "".join(
     difflib.unified_diff(
-      timings(published).splitlines(keepends=True),
-      timings(now).splitlines(keepends=True),
+      mask(published).splitlines(keepends=True),
+      mask(now).splitlines(keepends=True),
       fromfile=f"{name}.txt (published)",
       tofile=f"{name}.txt (printed now)",
     )
@@ -225,6 +286,7 @@ def main(argv=None) -> int:
     )
   failed = []
   start = time.perf_counter()
+  here, written_on = cpu(), recorded_cpus(args.results)
 
   def attempt(name):
     """The published text, the command's first line and how it ran (or why not)."""
@@ -258,7 +320,10 @@ def main(argv=None) -> int:
         continue
       now = rendered(first_line, stdout)
       if args.check:
-        diff = difference(name, published, now)
+        there = written_on.get(name, "a CPU not recorded")
+        if there != here:
+          print(f"{name}: written on {there}, checked on {here}: numbers not compared")
+        diff = difference(name, published, now, numbers=there == here)
         print(f"{name}: {'differs' if diff else 'same'} ({took:.0f} s)", flush=True)
         if diff:
           print(diff, end="", flush=True)
@@ -268,6 +333,10 @@ def main(argv=None) -> int:
       with open(path, "w") as f:
         f.write(now)
       print(f"{name}: written ({took:.0f} s)", flush=True)
+      written_on = {**recorded_cpus(args.results), name: here}
+      with open(os.path.join(args.results, CPUS_FILE), "w") as f:
+        json.dump(dict(sorted(written_on.items())), f, indent=1)
+        f.write("\n")
       for plot, source in PLOTS.items():
         if source == name:
           drawn = plot_path(stdout)
