@@ -60,7 +60,9 @@ def _train(tx, params, steps=3):
   history = []
   for t in range(steps):
     updates, state = update(_grads(params, t), state, params)
-    history.append(jax.device_get((updates, state)))  # the next step donates it
+    # copies: device_get can give views of the buffers the next step donates
+    snapshot = jax.device_get((updates, state))
+    history.append(jax.tree.map(lambda x: np.array(x, copy=True), snapshot))
     params = optax.apply_updates(params, updates)
   return history
 

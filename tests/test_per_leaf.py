@@ -320,7 +320,9 @@ def test_state_made_in_jitted_helpers_is_skipped_exactly():
   params = {"a": jnp.ones((4, 8)), "z": jnp.ones((0, 3)), "s": jnp.float32(3.0)}
   tx = ols.dynamic_loss_scale(inner, initial_scale=16.0)
   grads = jax.tree.map(lambda x: x * 0.5, params)
-  as_f32 = lambda t: [np.asarray(x, np.float32) for x in jax.tree.leaves(t)]  # noqa: E731
+  # copies: a float32 leaf's np.asarray can be a view of a buffer the next
+  # step is donated, and reuses
+  as_f32 = lambda t: [np.array(x, np.float32) for x in jax.tree.leaves(t)]  # noqa: E731
   with warnings.catch_warnings():
     warnings.simplefilter("error", ols.SkipFallbackWarning)
     step = jax.jit(tx.update, donate_argnums=(1,))

@@ -111,7 +111,9 @@ def _train(tx, params, step_grads, shardings, replicated_state=False):
   for g in step_grads:
     params, state = step(params, state, g)
     masters = ols.get_master_weights(state, params)
-    history.append(jax.device_get((params, state, masters)))
+    # copies: device_get can give views of the buffers the next step donates
+    snapshot = jax.device_get((params, state, masters))
+    history.append(jax.tree.map(lambda x: np.array(x, copy=True), snapshot))
   if shardings is not None:  # the parameters stayed sharded
     assert not params["rows"].sharding.is_fully_replicated
     assert not params["cols"].sharding.is_fully_replicated

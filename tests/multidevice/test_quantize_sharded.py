@@ -108,7 +108,9 @@ def _train(tx, params, step_grads, shardings):
           # the codes lie as the parameter does: each device its own blocks
           ndim = len(SPECS[k][0])
           assert moment.codes.sharding.is_equivalent_to(params[k].sharding, ndim)
-    history.append(jax.device_get((params, state)))
+    # copies: device_get can give views of the buffers the next step donates
+    snapshot = jax.device_get((params, state))
+    history.append(jax.tree.map(lambda x: np.array(x, copy=True), snapshot))
   return history
 
 
