@@ -151,6 +151,21 @@ def test_ema_is_frozen_on_skipped_steps_and_passes_other_leaves():
   assert int(ols.get_ema_params(state)["count"]) == 3
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_python_float_parameter_is_averaged_as_an_array(jit):
+  tx = ols.ema_params(0.5)
+  params = {"w": 2.0, "a": jnp.ones(2, jnp.bfloat16)}
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  # parameters 2.5, 3.0: the first average is the new parameter, then halfway
+  for new, want in ((2.5, 2.5), (3.0, 2.75)):
+    updates, state = update({"w": 0.5, "a": jnp.zeros(2, jnp.bfloat16)}, state, params)
+    params = optax.apply_updates(params, updates)
+    ema = ols.get_ema_params(state)
+    assert float(params["w"]) == new
+    assert ema["w"].dtype == jnp.float32 and float(ema["w"]) == want
+
+
 def test_ema_params_bad_input():
   for m in (-0.1, 1.5, float("nan"), "0.9"):
     with pytest.raises(ValueError, match="momentum"):

@@ -88,9 +88,12 @@ def ema_params(
   def init_fn(params):
     # A copy, never the parameters' own buffer: a donated step would donate
     # it twice.
+    # A Python float parameter is averaged as the array apply_updates makes it.
     ema = jax.tree.map(
       lambda p: (
-        jnp.array(p, _ema_dtype(p), copy=True) if _tree.is_float_array(p) else p
+        jnp.array(p, _ema_dtype(jnp.asarray(p)), copy=True)
+        if _tree.is_float_array(p) or isinstance(p, float)
+        else p
       ),
       params,
     )
@@ -99,15 +102,16 @@ def ema_params(
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("ema_params needs the parameters: call update(..., params).")
+    new_params = jax.tree.map(_applied, params, updates)
     m = jnp.where(state.count == 0, 0.0, momentum).astype(jnp.float32)
 
-    def average(avg, p, u):
+    def average(avg, p):
       if not _tree.is_float_array(p):
         return avg
       dt = avg.dtype
-      return m.astype(dt) * avg + (1 - m).astype(dt) * _applied(p, u).astype(dt)
+      return m.astype(dt) * avg + (1 - m).astype(dt) * p.astype(dt)
 
-    ema = jax.tree.map(average, state.ema, params, updates)
+    ema = jax.tree.map(average, state.ema, new_params)
     if overwrite_frequency is not None:
       overwrite = (state.count + 1) % overwrite_frequency == 0
 
@@ -123,9 +127,9 @@ def ema_params(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _applied(p: jax.Array, u: jax.Array) -> jax.Array:
-  """``optax.apply_updates`` of one floating leaf, widened: the values the
-  new parameter holds.
+def _applied(p: Any, u: Any) -> jax.Array:
+  """``optax.apply_updates`` of one leaf, floating ones widened: the values
+  the new parameter holds.
 
   A half-precision update made in the same program, and the half-precision
   sum, are read on their bits (:func:`_tree.widen`): XLA may otherwise put
@@ -133,8 +137,10 @@ def _applied(p: jax.Array, u: jax.Array) -> jax.Array:
   ("excess precision"), and the average would start one rounding away from
   the parameters ``apply_updates`` makes.
   """
-  u = _tree.widen(u).astype(jnp.asarray(u).dtype)
-  return _tree.widen(jnp.asarray(p + u).astype(p.dtype))
+  if _tree.is_float_array(u):
+    u = _tree.widen(u).astype(u.dtype)
+  new = jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+  return _tree.widen(new) if _tree.is_float_array(new) else new
 
 
 def _is_ema_state(x: Any) -> bool:
