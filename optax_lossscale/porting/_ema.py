@@ -102,7 +102,9 @@ def ema_params(
   def update_fn(updates, state, params=None):
     if params is None:
       raise ValueError("ema_params needs the parameters: call update(..., params).")
-    new_params = jax.tree.map(_applied, params, updates)
+    new_params = jax.tree.map(
+      _widened, optax.apply_updates(params, jax.tree.map(_own_values, updates))
+    )
     m = jnp.where(state.count == 0, 0.0, momentum).astype(jnp.float32)
 
     def average(avg, p):
@@ -127,20 +129,18 @@ def ema_params(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _applied(p: Any, u: Any) -> jax.Array:
-  """``optax.apply_updates`` of one leaf, floating ones widened: the values
-  the new parameter holds.
+def _own_values(x: Any) -> Any:
+  """``x``, a half-precision array read on its bits (:func:`_tree.widen`):
+  XLA may otherwise put in its place the more precise float32 value it
+  computed it in ("excess precision"), and the average would start one
+  rounding away from the parameters ``apply_updates`` makes."""
+  return _tree.widen(x).astype(x.dtype) if _tree.is_float_array(x) else x
 
-  A half-precision update made in the same program, and the half-precision
-  sum, are read on their bits (:func:`_tree.widen`): XLA may otherwise put
-  in their place the more precise float32 values it computed them in
-  ("excess precision"), and the average would start one rounding away from
-  the parameters ``apply_updates`` makes.
-  """
-  if _tree.is_float_array(u):
-    u = _tree.widen(u).astype(u.dtype)
-  new = jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
-  return _tree.widen(new) if _tree.is_float_array(new) else new
+
+def _widened(x: Any) -> Any:
+  """A new parameter in float32 or wider, exactly as it holds (see
+  :func:`_own_values`)."""
+  return _tree.widen(x) if _tree.is_float_array(x) else x
 
 
 def _is_ema_state(x: Any) -> bool:
