@@ -14,7 +14,19 @@ the step makes, ``dynamic_loss_scale`` unscaling into the
 leaf's dtype and into float32) x the half dtype (bfloat16, float16), the
 half values made in the step itself (an SGD step or a gradient multiplied
 in half precision): the jitted step equals the eager one, bit for bit.
+
+What XLA's compiled arithmetic does besides: it fuses a multiply and the add
+after it into one instruction that rounds once (an FMA) wherever the CPU has
+one for the dtype: float32 on every x86 CPU with FMA, float16 only on a CPU
+with float16 arithmetic (AVX512-FP16), bfloat16 nowhere. TensorFlow rounds
+the product first, so the porting package's float16 steps on such a CPU come
+out a unit of float16 apart from TensorFlow's (``docs/guides/porting.md``).
 """
+
+import os
+import pathlib
+import platform
+import re
 
 import jax
 import jax.numpy as jnp
@@ -119,3 +131,30 @@ def test_widen_is_numpys_cast_for_every_bit_pattern(dtype):
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
     assert np.array_equal(got.view(np.uint32)[~nan], want.view(np.uint32)[~nan])
+
+
+def _float16_arithmetic():
+  """Whether XLA:CPU computes float16 natively here: an x86 CPU with
+  AVX512-FP16, XLA not capped below AVX-512 (``--xla_cpu_max_isa``)."""
+  cpuinfo = pathlib.Path("/proc/cpuinfo")
+  if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+    pytest.skip("reads the x86 CPU's instruction sets from /proc/cpuinfo")
+  flags = re.search(r"^flags\s*:(.*)$", cpuinfo.read_text(), re.M).group(1).split()
+  cap = re.search(r"--xla_cpu_max_isa=(\w+)", os.environ.get("XLA_FLAGS", ""))
+  capped = cap is not None and cap.group(1).upper() in ("SSE4_2", "AVX", "AVX2")
+  return "avx512_fp16" in flags and not capped
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_xla_rounds_a_multiply_add_once_where_the_cpu_has_an_fma_for_it(dtype):
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's code")
+  fused_here = {np.float16: _float16_arithmetic(), np.float32: True}.get(dtype, False)
+  rng = np.random.default_rng(0)
+  a, b, c = (rng.standard_normal(4096).astype(dtype) for _ in range(3))
+  wide = [x.astype(np.float64) for x in (a, b, c)]  # exact for these magnitudes
+  once = (wide[0] * wide[1] + wide[2]).astype(dtype)
+  twice = (a * b).astype(dtype) + c  # numpy: each operation rounded
+  assert np.count_nonzero(once != twice) > 100  # the two roundings differ here
+  got = np.asarray(jax.jit(lambda a, b, c: a * b + c)(a, b, c))
+  assert got.tobytes() == (once if fused_here else twice).tobytes()
