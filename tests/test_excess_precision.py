@@ -149,7 +149,7 @@ def _float16_arithmetic():
 def test_xla_rounds_a_multiply_add_once_where_the_cpu_has_an_fma_for_it(dtype):
   if jax.default_backend() != "cpu":
     pytest.skip("XLA:CPU's code")
-  fused_here = {np.float16: _float16_arithmetic(), np.float32: True}.get(dtype, False)
+  fused_here = _float16_arithmetic() if dtype == np.float16 else dtype == np.float32
   rng = np.random.default_rng(0)
   a, b, c = (rng.standard_normal(4096).astype(dtype) for _ in range(3))
   wide = [x.astype(np.float64) for x in (a, b, c)]  # exact for these magnitudes
