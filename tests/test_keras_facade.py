@@ -647,7 +647,25 @@ INNER_FORMS = {
   ),
   "an unknown key": ({"class_name": "Adam", "bogus": 1}, {}, "must be an optax"),
   "an unknown optimizer": ("adamax9", {}, "unknown optimizer|adamax9"),
-}
+  "tf_keras' legacy optimizer's module": (
+    {"module": "keras.optimizers.legacy", "class_name": "Adam", "config": {},
+     "registered_name": None},
+    {},
+    None,
+  ),
+  "a custom optimizer's module": (
+    {"module": "mylib.optim", "class_name": "Adam", "config": {},
+     "registered_name": "mylib>Adam"},
+    {},
+    "not one of Keras' optimizers",
+  ),
+  "a custom optimizer registered as Adam": (
+    {"module": "keras.optimizers", "class_name": "Adam", "config": {},
+     "registered_name": "mylib>Adam"},
+    {},
+    "not one of Keras' optimizers",
+  ),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("form", INNER_FORMS)
@@ -670,6 +688,64 @@ def test_one_config_parser_on_both_paths(form, core):
   state = opt.init(params)
   updates, _ = opt.update({"w": jnp.ones(3) * 1e3}, state, params)
   assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
+@pytest.mark.parametrize(
+  "config",
+  [
+    {"class_name": "sgd", "config": {"momentum": 2.0}},
+    {"class_name": "sgd", "config": {"momentum": -0.1}},
+    {"class_name": "adam", "config": {"beta_1": 1.5}},
+    {"class_name": "rmsprop", "config": {"rho": -1.0}},
+  ],
+  ids=str,
+)
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras 3", "tf_keras"])
+def test_a_hyper_parameter_keras_refuses_is_refused(config, legacy):
+  if legacy and config["class_name"] == "rmsprop":
+    pytest.skip("tf_keras' formulas here: sgd, adam, adamw")
+  (key,) = config["config"]
+  with pytest.raises(ValueError, match=f"`{key}` must be in"):
+    P.LossScaleOptimizer(config, legacy_keras=legacy)
+
+
+# optax's optimizers that decay the weights themselves, by Keras name under the
+# core's arguments: the config's weight_decay is theirs (optax's default when
+# absent), so the step decays once.
+@pytest.mark.parametrize("name", ["adamw", "lion", "lamb"])
+@pytest.mark.parametrize("weight_decay", [None, 0.0, 0.004])
+def test_an_optax_optimizer_by_name_decays_once(name, weight_decay):
+  config = {} if weight_decay is None else {"weight_decay": weight_decay}
+  opt = P.LossScaleOptimizer(
+    {"class_name": name, "config": config}, initial_scale=1.0, min_scale=1.0
+  )
+  assert opt.get_config()["inner_optimizer"]["config"].get("weight_decay") == (
+    weight_decay
+  )
+  # float32 hyper-parameters, as the facade injects them
+  inject = optax.inject_hyperparams(getattr(optax, name), hyperparam_dtype=jnp.float32)
+  want = inject(0.001, **config)
+  params = {"w": jnp.linspace(-2.0, 2.0, 8)}
+  grads = {"w": jnp.linspace(0.5, -0.5, 8)}
+  got, _ = opt.update(grads, opt.init(params), params)
+  expected, _ = want.update(grads, want.init(params), params)
+  np.testing.assert_array_equal(got["w"], expected["w"])
+
+
+@pytest.mark.parametrize("name", ["adamw", "lion", "lamb"])
+def test_keras_decay_on_an_optax_optimizer_that_decays_is_refused(name):
+  with pytest.raises(ValueError, match="decays the weights itself"):
+    P.LossScaleOptimizer(name, min_scale=1.0, weight_decay=0.01)
+
+
+def test_keras_decay_on_an_optax_optimizer_without_its_own_is_keras():
+  """adam by name under the core's arguments: weight_decay is Keras' decay,
+  ``p * weight_decay * learning_rate`` off each weight, besides the step."""
+  opt = P.LossScaleOptimizer("adam", initial_scale=1.0, min_scale=1.0, weight_decay=0.5)
+  params = {"w": jnp.linspace(-2.0, 2.0, 8)}
+  grads = {"w": jnp.zeros(8)}
+  got, _ = opt.update(grads, opt.init(params), params)
+  np.testing.assert_allclose(got["w"], -params["w"] * 0.5 * 0.001, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------

@@ -173,6 +173,15 @@ def _optax_by_keras_name(
       "tf_keras' formulas."
     )
   tx, inner_config, from_inner = _optimizers.inner_spec(inner)
+  name = inner_config["class_name"]
+  if base.get("weight_decay") is not None and _optimizers.has_own_weight_decay(name):
+    raise ValueError(
+      f"weight_decay={base['weight_decay']!r} with {name!r} by name and the "
+      f"core's arguments: optax's {name} decays the weights itself (its "
+      "`weight_decay`, with optax's default); give it in the optimizer's "
+      f"config, {{'class_name': {name!r}, 'config': {{'weight_decay': ...}}}}, "
+      "so that the step decays once."
+    )
   from_inner.pop("loss_scale_factor", None)  # as Keras 3 turns it off
   base = _keras_config.merge_base(base, from_inner)
   return _core_loss_scale(tx, inner_config, base, legacy_keras, scale, core_only)
@@ -270,7 +279,9 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
       ``max_scale``, ``hysteresis`` and ``track_nonfinite`` (the core's
       ceiling, hysteresis and non-finite record) given with a Keras name
       build optax's optimizer of that name (optax's argument names in its
-      config) in the core's loss scale, not Keras' formulas.
+      config; a ``weight_decay`` there is the optax optimizer's own where
+      it has one: adamw, lamb, lion) in the core's loss scale, not Keras'
+      formulas.
     axis_name: mapped axis to AND the finite flag over (pmap/shard_map).
     name: Keras 3's optimizer name, kept in :meth:`get_config` (default
       ``"loss_scale_optimizer"``, Keras 3's).

@@ -109,7 +109,9 @@ def inner_parts(inner: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
   and a zero legacy ``decay`` inside ``config``).
 
   Raises:
-    ValueError: any other form, or a serialised learning-rate schedule.
+    ValueError: any other form, a ``module`` other than Keras' optimizers
+      or a ``registered_name`` (a custom optimizer), or a serialised
+      learning-rate schedule.
   """
   if isinstance(inner, str):
     inner = {"class_name": inner, "config": {}}
@@ -123,6 +125,18 @@ def inner_parts(inner: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
       "`inner_optimizer` must be an optax GradientTransformation, an optimizer "
       f"name such as 'adam', or {{'class_name': ..., 'config': {{...}}}}; got "
       f"{inner!r}."
+    )
+  module, registered = inner.get("module"), inner.get("registered_name")
+  keras_module = module is None or (
+    isinstance(module, str)
+    and module.split(".")[:2] in (["keras", "optimizers"], ["tf_keras", "optimizers"])
+  )
+  if not keras_module or registered not in (None, inner["class_name"]):
+    raise ValueError(
+      f"`inner_optimizer`: {inner['class_name']!r} from module {module!r} "
+      f"(registered as {registered!r}) is not one of Keras' optimizers, whose "
+      "module is 'keras.optimizers' and registered name None; a custom "
+      "optimizer's formula is not known here: pass an optax transformation."
     )
   own, base = {}, {}
   for k, v in inner.get("config", {}).items():

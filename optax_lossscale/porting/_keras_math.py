@@ -118,7 +118,8 @@ def spec(name: str, config: Mapping[str, Any], *, legacy: bool) -> OptimizerSpec
         raise ValueError(f"`{k}` must be a bool, got {v!r}.")
     elif k == "learning_rate" and callable(v):
       pass  # a schedule of the iteration count
-    elif k in ("beta_1", "beta_2", "rho"):
+    elif k in ("beta_1", "beta_2", "rho") or (key == "sgd" and k == "momentum"):
+      # SGD's momentum too: Keras 3 and tf_keras refuse one outside [0, 1]
       hyper[k] = _validate.float_in(k, v, 0.0, 1.0)
     else:
       hyper[k] = _validate.float_in(k, v, 0.0, math.inf)

@@ -8,6 +8,7 @@ decoupled weight decay and its per-leaf ``clipnorm``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
   "clip_each_by_norm",
   "decoupled_weight_decay",
   "get_learning_rate",
+  "has_own_weight_decay",
   "inner_spec",
   "set_learning_rate",
 ]
@@ -72,6 +74,11 @@ def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any, dict[str,
     "learning_rate": _DEFAULT_LEARNING_RATE.get(name, 0.001),
     **inner.get("config", {}),
   }
+  if has_own_weight_decay(name) and "weight_decay" in base:
+    # The config's `weight_decay` is the optax optimizer's own (decoupled,
+    # as Keras'), replacing optax's default, not Keras' decay on top of it:
+    # the step decays once.
+    config["weight_decay"] = base.pop("weight_decay")
   if not callable(config["learning_rate"]):  # a number, or a schedule
     # None made optax step *up* the gradient; a string failed much later.
     _validate.float_in("learning_rate", config["learning_rate"], 0.0, math.inf)
@@ -83,6 +90,13 @@ def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any, dict[str,
   except TypeError as e:
     raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
   return tx, {"class_name": name, "config": config}, base
+
+
+def has_own_weight_decay(name: str) -> bool:
+  """Whether optax's optimizer of Keras name ``name`` decays the weights
+  itself (``weight_decay``: adamw, lamb, lion)."""
+  fn = _OPTIMIZERS.get(name.lower())
+  return fn is not None and "weight_decay" in inspect.signature(fn).parameters
 
 
 def _is_inject_state(x: Any) -> bool:
