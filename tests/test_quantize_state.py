@@ -166,6 +166,25 @@ def test_master_weights_inside_it_is_refused():
     tx.init(jax.tree.map(lambda p: p.astype(jnp.bfloat16), _params()))
 
 
+@pytest.mark.parametrize(
+  "inner",
+  [
+    lambda: ols.quantize_state(optax.adam(1e-3)),
+    lambda: ols.quantize_state(optax.adam(1e-3), layout="flat"),
+    lambda: ols.adam_8bit(1e-3),
+    lambda: optax.chain(optax.clip(1.0), ols.quantize_state(optax.sgd(0.1, 0.9))),
+  ],
+  ids=["quantize_state", "quantize_state, flat", "adam_8bit", "in a chain"],
+)
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+def test_a_quantised_state_inside_it_is_refused(inner, layout):
+  """init refuses it: its update failed, with a message that named the
+  wrong cause or with an AttributeError."""
+  tx = ols.quantize_state(inner(), min_size=0, layout=layout)
+  with pytest.raises(ValueError, match="already holds quantised leaves"):
+    tx.init(_params())
+
+
 # --------------------------------------------------------------------------
 # Composition.
 # --------------------------------------------------------------------------

@@ -6,6 +6,8 @@ counter) is what the inner optimizer computes from the dequantised state,
 bit for bit, after each update. Then ``select``, and the errors.
 """
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -181,6 +183,53 @@ def test_a_state_it_does_not_know_is_an_error_naming_the_leaves_or_selected():
   jax.jit(tx.update)(_grads(params, 0), state, params)
 
 
+class _Velocity(NamedTuple):
+  v: Any
+
+
+def _unknown_named_state_optimizer():
+  """A transformation whose state is a named tuple of a type not listed."""
+
+  def init(params):
+    return _Velocity(jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    v = jax.tree.map(lambda v, g: 0.9 * v + g, state.v, updates)
+    return jax.tree.map(lambda v: -1e-2 * v, v), _Velocity(v)
+
+  return optax.GradientTransformation(init, update)
+
+
+# An unknown state inside a wrapper whose own state is listed is as unknown as
+# alone: the error, not a state silently kept in float32.
+WRAPPERS = {
+  "alone": lambda inner: inner,
+  "inject_hyperparams": lambda inner: optax.inject_hyperparams(lambda lr: inner)(
+    lr=1e-2
+  ),
+  "MultiSteps": lambda inner: optax.MultiSteps(inner, 2).gradient_transformation(),
+  "lookahead": lambda inner: optax.lookahead(inner, 2, 0.5),
+  "chain": lambda inner: optax.chain(optax.clip_by_global_norm(1.0), inner),
+}
+
+
+@pytest.mark.parametrize("state", ["dict", "named tuple"])
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+def test_a_state_it_does_not_know_inside_a_wrapper_it_knows_is_an_error(wrapper, state):
+  make = {
+    "dict": _unknown_state_optimizer,
+    "named tuple": _unknown_named_state_optimizer,
+  }
+  inner = WRAPPERS[wrapper](make[state]())
+  params = _params()
+  if wrapper == "lookahead":
+    params = optax.LookaheadParams.init_synced(params)
+  with pytest.raises(ValueError, match=r"\['b'\].*select="):
+    ols.quantize_state(inner, min_size=0).init(params)
+  with pytest.raises(ValueError, match=r"\['b'\].*select="):
+    ols.quantize_state(inner, min_size=0, layout="flat").init(params)
+
+
 @pytest.mark.parametrize(
   "select, match",
   [
@@ -197,5 +246,6 @@ def test_a_bad_select_is_refused(select, match):
 
 def test_every_listed_state_type_names_its_own_fields():
   # A typo in the table would quantise nothing, silently.
-  for cls, fields in moments._types().items():
+  for cls, (fields, inner) in moments._types().items():
     assert fields <= set(cls._fields), (cls, fields)
+    assert inner is None or inner in cls._fields, (cls, inner)

@@ -66,16 +66,29 @@ _MOMENTS = {
   "optax_lossscale.porting._ema:EmaParamsState": (),  # the weights' average
 }
 
+# A wrapper's field holding the state of the transformation it wraps: searched
+# as a state of its own (the types of the states in it decide; one of a type
+# not listed is unknown, as it would be alone), not kept as the wrapper's.
+_INNER = {
+  "optax:InjectHyperparamsState": "inner_state",
+  "optax:InjectStatefulHyperparamsState": "inner_state",
+  "optax:LookaheadState": "fast_state",
+  "optax:MultiStepsState": "inner_opt_state",
+  "optax.contrib:MechanicState": "base_optimizer_state",
+  "optax.contrib:ScheduleFreeState": "base_optimizer_state",
+}
+
 
 @functools.cache
-def _types() -> dict[type, frozenset]:
-  """The state types of :data:`_MOMENTS` this installation has."""
+def _types() -> dict[type, tuple[frozenset, str | None]]:
+  """The state types of :data:`_MOMENTS` this installation has: their
+  moment fields and the field of :data:`_INNER` (or ``None``)."""
   out = {}
   for where, fields in _MOMENTS.items():
     module, name = where.split(":")
     cls = getattr(importlib.import_module(module), name, None)
     if cls is not None:
-      out[cls] = frozenset(fields)
+      out[cls] = (frozenset(fields), _INNER.get(where))
   return out
 
 
@@ -83,22 +96,24 @@ def marks(state: Any) -> list:
   """For each leaf of ``state`` (in ``jax.tree.leaves`` order): ``True``
   where it is a moment (in a moment field of a state type listed here),
   ``False`` where a listed state holds it otherwise (a parameter copy, a
-  hyper-parameter, a counter), ``None`` where no listed state holds it."""
+  hyper-parameter, a counter), ``None`` where no listed state holds it
+  (a wrapper's inner state included: an unknown state inside
+  ``inject_hyperparams`` is as unknown as alone)."""
   types = _types()
   out: list = []
 
   def visit(tree: Any, known: bool) -> None:
     for x in jax.tree.leaves(tree, is_leaf=lambda y: type(y) in types):
-      fields = types.get(type(x))
-      if fields is None:
+      if type(x) not in types:
         out.append(False if known else None)
         continue
+      moments, inner = types[type(x)]
       for field in x._fields:
         value = getattr(x, field)
-        if field in fields:
+        if field in moments:
           out.extend([True] * len(jax.tree.leaves(value)))
         else:
-          visit(value, True)
+          visit(value, field != inner)
 
   visit(state, False)
   return out

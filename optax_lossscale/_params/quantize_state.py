@@ -248,10 +248,13 @@ def quantize_state(
   Raises:
     ValueError: a bad ``bits``, ``block_size``, ``min_size``,
       ``store_sqrt``, ``rounding``, ``select`` or ``layout``; ``init``
-      where ``inner``'s state holds a :func:`master_weights` state, where
+      where ``inner``'s state holds a :func:`master_weights` state or
+      quantised leaves (a :func:`quantize_state` or :func:`adam_8bit`), where
       ``select`` returns something else than ``True`` or ``False``, and
       where nothing would be quantised while leaves of a state it does not
-      know have the parameters' shapes (naming them: pass ``select``);
+      know have the parameters' shapes, alone or inside a wrapper it
+      knows (``inject_hyperparams``, ``lookahead``, ``MultiSteps``; naming
+      them: pass ``select``);
       ``update`` with a state made for other parameters or by another
       transformation, or whose codes or scales changed dtype (naming the
       leaf), and where the inner update makes a complex value of a
@@ -370,6 +373,11 @@ def quantize_state(
         "quantize_state: the inner state holds a master_weights state, whose "
         "master weights would be quantised. Put quantize_state inside it: "
         "master_weights(quantize_state(optax.adam(...)))."
+      )
+    if any(map(_is_stored, jax.tree.leaves(inner_state, is_leaf=_is_stored))):
+      raise ValueError(
+        "quantize_state: the inner state already holds quantised leaves (a "
+        "quantize_state or adam_8bit inside it); quantise the state once."
       )
     return quantized(inner_state, params)
 
