@@ -3,6 +3,7 @@ keyword arguments, EMA."""
 
 import json
 import os
+import types
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
@@ -812,6 +813,51 @@ def test_from_config_round_trips(name):
   assert again.get_config() == obj.get_config()
   if isinstance(obj, P.LossScale):
     assert again.config == obj.config
+
+
+_FIXED = {"class_name": "FixedLossScale", "config": {"loss_scale_value": 8.0}}
+# (class, config, the message): a ValueError naming what is wrong, never a
+# TypeError or KeyError from inside.
+MALFORMED = {
+  "not a dict": (lambda: P.LossScaleOptimizer, None, "takes a dict"),
+  "no inner optimizer": (lambda: P.LossScaleOptimizer, {}, "lacks 'inner_optimizer'"),
+  "TensorFlow 2.3's, no optimizer": (
+    lambda: P.LossScaleOptimizer,
+    {"loss_scale": _FIXED},
+    "lacks 'optimizer'",
+  ),
+  "TensorFlow 2.3's, a loss scale config None": (
+    lambda: P.LossScaleOptimizer,
+    {
+      "optimizer": "sgd",
+      "loss_scale": {"class_name": "FixedLossScale", "config": None},
+    },
+    "FixedLossScale config as a dict",
+  ),
+  "TensorFlow 2.3's, multiplier None": (
+    lambda: P.LossScaleOptimizer,
+    {
+      "optimizer": "sgd",
+      "loss_scale": {"class_name": "DynamicLossScale", "config": {"multiplier": None}},
+    },
+    "`multiplier` must be a real number",
+  ),
+  "StaticLossScale, empty": (lambda: P.StaticLossScale, {}, "lacks 'scale'"),
+  "StaticLossScale, not a dict": (lambda: P.StaticLossScale, [8.0], "takes a dict"),
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED)
+def test_from_config_refuses_a_malformed_config(name):
+  cls, config, match = MALFORMED[name]
+  with pytest.raises(ValueError, match=match):
+    cls().from_config(config)
+
+
+def test_from_config_reads_any_mapping():
+  config = types.MappingProxyType({"loss_scale_value": 8.0})
+  obj = P.StaticLossScale.from_config(config)
+  assert obj.get_config() == P.StaticLossScale(8.0, skip_nonfinite=False).get_config()
 
 
 @pytest.mark.parametrize(

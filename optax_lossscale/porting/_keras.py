@@ -413,7 +413,9 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
         ``name``), as Keras 3 refuses it: nothing is dropped silently.
     """
     accepted = _keras_config.constructor_keys(LossScaleOptimizer)
-    return LossScaleOptimizer.__new__(cls, **_keras_config.lso_kwargs(config, accepted))
+    required = _keras_config.constructor_keys(LossScaleOptimizer, required=True)
+    kwargs = _keras_config.lso_kwargs(config, accepted, required)
+    return LossScaleOptimizer.__new__(cls, **kwargs)
 
   def __getattr__(self, name):
     # Every constructor argument is readable as an attribute (Keras' style).

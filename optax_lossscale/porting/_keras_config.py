@@ -48,7 +48,7 @@ _IGNORED = ("name", "jit_compile", "is_legacy_optimizer")
 
 
 def checked_config(
-  owner: str, config: Any, accepted: Any, *, form: str = ""
+  owner: str, config: Any, accepted: Any, *, form: str = "", required: Any = ()
 ) -> dict[str, Any]:
   """``config`` as a new dict, once every key is one ``owner`` reads.
 
@@ -61,15 +61,18 @@ def checked_config(
     config: the configuration, a mapping with string keys.
     accepted: the keys ``owner`` reads (for this form of its config).
     form: which form of the config ``accepted`` is, for the message.
+    required: the keys it must hold (``owner``'s arguments without a
+      default), which would otherwise reach it as a bare ``TypeError``.
 
   Raises:
-    ValueError: ``config`` is not a mapping, or holds a key not in
-      ``accepted`` (the message names the keys, and those it reads).
+    ValueError: ``config`` is not a mapping, holds a key not in
+      ``accepted`` (the message names the keys, and those it reads), or
+      lacks one of ``required``.
   """
   if not isinstance(config, Mapping):
+    what = f"{form} as a dict" if form else "a dict (what get_config returns)"
     raise ValueError(
-      f"{owner}.from_config takes a dict (what get_config returns), got "
-      f"{type(config).__name__}: {config!r}."
+      f"{owner}.from_config takes {what}, got {type(config).__name__}: {config!r}."
     )
   accepted = set(accepted)
   unknown = [k for k in config if k not in accepted]
@@ -82,15 +85,27 @@ def checked_config(
       "dropped silently: remove the key, or build the object of the class "
       "that takes it."
     )
+  missing = [k for k in required if k not in config]
+  if missing:
+    where = f" ({form})" if form else ""
+    raise ValueError(
+      f"{owner}.from_config: the config{where} lacks "
+      f"{', '.join(map(repr, missing))}, which {owner} needs."
+    )
   return dict(config)
 
 
-def constructor_keys(cls: type) -> tuple[str, ...]:
-  """The keyword arguments ``cls(...)`` takes (its ``__init__``'s or ``__new__``'s)."""
+def constructor_keys(cls: type, *, required: bool = False) -> tuple[str, ...]:
+  """The keyword arguments ``cls(...)`` takes (its ``__init__``'s or
+  ``__new__``'s); with ``required``, those without a default."""
   fn = cls.__new__ if cls.__new__ is not object.__new__ else cls.__init__
   params = list(inspect.signature(fn).parameters.values())[1:]
   kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-  return tuple(p.name for p in params if p.kind in kinds)
+  return tuple(
+    p.name
+    for p in params
+    if p.kind in kinds and not (required and p.default is not inspect.Parameter.empty)
+  )
 
 
 def is_transformation(inner: Any) -> bool:
@@ -191,7 +206,9 @@ TF_LOSS_SCALE_KEYS = {
 }
 
 
-def lso_kwargs(config: Mapping[str, Any], accepted: Any) -> dict[str, Any]:
+def lso_kwargs(
+  config: Mapping[str, Any], accepted: Any, required: Any = ()
+) -> dict[str, Any]:
   """This package's ``LossScaleOptimizer`` arguments for any ``get_config``.
 
   Reads this package's own configs, Keras 3's (``name``, ``inner_optimizer``,
@@ -203,13 +220,14 @@ def lso_kwargs(config: Mapping[str, Any], accepted: Any) -> dict[str, Any]:
     config: the configuration.
     accepted: the keys of ``LossScaleOptimizer``'s own configs (its
       constructor's arguments).
+    required: those of them without a default.
 
   Raises:
     ValueError: a key that no form of the configuration has (the message
       names it), or a ``loss_scale`` of another class or with a multiplier
       other than 2 (as tf_keras refuses them).
   """
-  if "loss_scale" in config:
+  if isinstance(config, Mapping) and "loss_scale" in config:
     from optax_lossscale.porting import _tf_rule
 
     config = checked_config(
@@ -217,6 +235,7 @@ def lso_kwargs(config: Mapping[str, Any], accepted: Any) -> dict[str, Any]:
       config,
       TF23_KEYS,
       form="TensorFlow 2.3's config (`optimizer` and `loss_scale`)",
+      required=("optimizer", "loss_scale"),
     )
     ls = config.pop("loss_scale")
     ls_class = ls.get("class_name") if isinstance(ls, Mapping) else None
@@ -227,9 +246,9 @@ def lso_kwargs(config: Mapping[str, Any], accepted: Any) -> dict[str, Any]:
         ("class_name", "config", "module", "registered_name"),
         form="`loss_scale`",
       )
-    ls_config = dict(ls.get("config", {})) if isinstance(ls, Mapping) else {}
+    ls_config = ls.get("config", {}) if isinstance(ls, Mapping) else {}
     if ls_class in TF_LOSS_SCALE_KEYS:
-      checked_config(
+      ls_config = checked_config(
         "LossScaleOptimizer",
         ls_config,
         TF_LOSS_SCALE_KEYS[ls_class],
@@ -239,7 +258,10 @@ def lso_kwargs(config: Mapping[str, Any], accepted: Any) -> dict[str, Any]:
       config["dynamic"] = False
       config["initial_scale"] = _tf_rule.fixed_value(ls_config)
     elif ls_class == "DynamicLossScale":
-      if float(ls_config.get("multiplier", 2.0)) != 2.0:
+      multiplier = _validate.float_in(
+        "multiplier", ls_config.get("multiplier", 2.0), 0.0, math.inf
+      )
+      if multiplier != 2.0:
         raise ValueError(
           "Cannot read a LossScaleOptimizer config whose DynamicLossScale "
           f"multiplier is not 2: {ls!r}."
@@ -254,7 +276,7 @@ def lso_kwargs(config: Mapping[str, Any], accepted: Any) -> dict[str, Any]:
       )
     config["inner_optimizer"] = config.pop("optimizer")
     return config
-  return checked_config("LossScaleOptimizer", config, accepted)
+  return checked_config("LossScaleOptimizer", config, accepted, required=required)
 
 
 def set_inner(state: Any, counters: Any, inner: Any) -> Any:

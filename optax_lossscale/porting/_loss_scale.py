@@ -16,6 +16,7 @@ the loss scale a ``LossScale`` object configures.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -133,7 +134,10 @@ class LossScale:
         TensorFlow's ``cls(**config)`` refuses it), or an invalid value.
     """
     accepted = _keras_config.constructor_keys(cls)
-    return cls(**_keras_config.checked_config(cls.__name__, config, accepted))
+    required = _keras_config.constructor_keys(cls, required=True)
+    return cls(
+      **_keras_config.checked_config(cls.__name__, config, accepted, required=required)
+    )
 
   def __call__(self) -> jax.Array:
     """The current loss scale, a float32 scalar."""
@@ -386,7 +390,7 @@ class StaticLossScale(LossScale):
         (TensorFlow's, every step applied) or the constructor's ``scale``
         and ``skip_nonfinite``; the forms are not mixed.
     """
-    if isinstance(config, dict) and "loss_scale_value" in config:
+    if isinstance(config, Mapping) and "loss_scale_value" in config:
       config = _keras_config.checked_config(
         cls.__name__,
         config,
