@@ -733,6 +733,41 @@ def test_an_optax_optimizer_by_name_decays_once(name, weight_decay):
   np.testing.assert_array_equal(got["w"], expected["w"])
 
 
+# optax's optimizer by Keras name, under the core's arguments: its config in
+# optax's names, each of the kind of its default (it was accepted, and made
+# NaN updates or a TypeError at update).
+OPTAX_ARGUMENTS = {
+  "a bool for a number": ("adam", {"b1": True}, "`b1` must be a real number"),
+  "NaN": ("adam", {"b1": float("nan")}, "`b1` must be finite"),
+  "a string for a number": ("adam", {"eps": "x"}, "`eps` must be a real number"),
+  "a string for an optional number": (
+    "sgd", {"momentum": "0.9"}, "`momentum` must be a real number"
+  ),
+  "an int for a bool": ("sgd", {"nesterov": 1}, "`nesterov` .* must be a bool"),
+  "Keras' name": ("adam", {"beta_1": 0.9}, "unknown argument.*'beta_1'.*optax's"),
+  "numbers": ("adam", {"b1": 0.8, "eps": 1e-7}, None),
+  "a NumPy number": ("adam", {"b1": np.float32(0.8)}, None),
+  "a schedule": ("adam", {"b1": lambda count: 0.9}, None),
+  "sgd's momentum and nesterov": ("sgd", {"momentum": 0.9, "nesterov": True}, None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", OPTAX_ARGUMENTS)
+def test_an_optax_optimizer_by_name_checks_its_arguments(case):
+  name, config, match = OPTAX_ARGUMENTS[case]
+  make = lambda: P.LossScaleOptimizer(  # noqa: E731
+    {"class_name": name, "config": config}, initial_scale=1.0, min_scale=1.0
+  )
+  if match:
+    with pytest.raises(ValueError, match=match):
+      make()
+    return
+  opt = make()
+  params = {"w": jnp.linspace(-1.0, 1.0, 4)}
+  updates, _ = opt.update({"w": jnp.ones(4)}, opt.init(params), params)
+  assert np.all(np.isfinite(np.asarray(updates["w"])))
+
+
 @pytest.mark.parametrize("name", ["adamw", "lion", "lamb"])
 def test_keras_decay_on_an_optax_optimizer_that_decays_is_refused(name):
   with pytest.raises(ValueError, match="decays the weights itself"):

@@ -82,6 +82,7 @@ def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any, dict[str,
   if not callable(config["learning_rate"]):  # a number, or a schedule
     # None made optax step *up* the gradient; a string failed much later.
     _validate.float_in("learning_rate", config["learning_rate"], 0.0, math.inf)
+  _check_optax_arguments(name, config)
   try:
     # float32 hyper-parameters whatever the parameters' dtype: in bfloat16,
     # Adam's b2 = 0.999 is 1.0 and its bias correction divides by zero.
@@ -90,6 +91,33 @@ def inner_spec(inner: Any) -> tuple[optax.GradientTransformation, Any, dict[str,
   except TypeError as e:
     raise ValueError(f"`inner_optimizer` config {config!r} for {name!r}: {e}") from None
   return tx, {"class_name": name, "config": config}, base
+
+
+def _check_optax_arguments(name: str, config: dict[str, Any]) -> None:
+  """A ValueError unless ``config`` holds arguments of optax's ``name``, each
+  of the kind its default is: a bool where that is a bool, a finite number
+  where it is a number or an optional number (sgd's ``momentum``), or a
+  schedule of the step, as ``optax.inject_hyperparams`` takes; others
+  (dtypes, masks) as given."""
+  params = inspect.signature(_OPTIMIZERS[name]).parameters
+  unknown = sorted(set(config) - set(params))
+  if unknown:
+    raise ValueError(
+      f"`inner_optimizer` config for optax's {name}: unknown argument(s) "
+      f"{', '.join(map(repr, unknown))}; optax's are {', '.join(params)}. "
+      "With min_scale, max_scale, hysteresis or track_nonfinite the "
+      "optimizer named is optax's, with optax's argument names; Keras' "
+      "(beta_1, epsilon) are read by Keras' formulas, without them."
+    )
+  for k, v in config.items():
+    default, kind = params[k].default, str(params[k].annotation)
+    optional_number = default is None and "float" in kind and "Any" not in kind
+    if isinstance(default, bool):
+      if not isinstance(v, bool):
+        raise ValueError(f"`{k}` of optax's {name} must be a bool, got {v!r}.")
+    elif isinstance(default, (int, float)) or (optional_number and v is not None):
+      if not callable(v):
+        _validate.as_float(k, v)
 
 
 def has_own_weight_decay(name: str) -> bool:
