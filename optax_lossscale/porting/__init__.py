@@ -21,7 +21,10 @@ the state and its search, ``autocast``) and nothing in the core imports it:
 * TensorFlow's ``enable_mixed_precision_graph_rewrite`` as
   :func:`enable_mixed_precision`.
 
-Every name is also exported by ``optax_lossscale`` itself.
+The general helpers (the parameter average, the learning-rate getters) are
+exported by ``optax_lossscale`` too; the TensorFlow/Keras names are spelled
+here (``optax_lossscale.LossScaleOptimizer`` still resolves, with a
+``DeprecationWarning``, for one release).
 """
 
 from optax_lossscale.porting._ema import EmaParamsState as EmaParamsState
