@@ -1088,6 +1088,21 @@ def test_get_ema_params_reads_every_average(form):
     (lambda: P.ExperimentalLossScaleOptimizer("sgd", loss_scale=8, clipnorm=1.0),
      r"takes only `optimizer` and `loss_scale`.*"
      r"LossScaleOptimizer\(optimizer, clipnorm=1.0, ...\)"),
+    # TensorFlow's names and misspellings are not hyper-parameters: they were
+    # told to go in the optimizer's config, where they fail again.
+    (lambda: P.LossScaleOptimizer("sgd", loss_scale=128),
+     r"For `loss_scale` write initial_scale=..., dynamic=False"),
+    (lambda: P.LossScaleOptimizer("sgd", initial_loss_scale=2.0),
+     r"For `initial_loss_scale` write initial_scale"),
+    (lambda: P.LossScaleOptimizer("sgd", increment_period=5),
+     r"For `increment_period` write dynamic_growth_steps"),
+    (lambda: P.LossScaleOptimizer("sgd", dynamic_growth_step=2),
+     r"`dynamic_growth_step` is no argument .*did you mean `dynamic_growth_steps`"),
+    (lambda: P.LossScaleOptimizer("adam", beta_1=0.5, loss_scale=2),
+     r"`beta_1`, an optimizer's hyper-parameter, goes in its config\. "
+     r"For `loss_scale`"),
+    (lambda: P.LossScaleOptimizer("adam", min_scale=1.0, b1=0.5),
+     r"LossScaleOptimizer\(\{'class_name': 'adam', 'config': \{'b1': 0.5\}\}"),
   ],
 )  # fmt: skip
 def test_errors_say_what_to_write(call, match):

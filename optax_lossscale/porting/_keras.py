@@ -9,6 +9,7 @@ loss scale. Either way it is an optax ``GradientTransformationExtraArgs``.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import warnings
 from collections.abc import Mapping
@@ -43,13 +44,42 @@ DEFAULT_INITIAL_SCALE = _config.DEFAULT_INITIAL_SCALE
 DEFAULT_NAME = "loss_scale_optimizer"
 
 
+#: TensorFlow's names of ``LossScaleOptimizer``'s arguments, and what to write.
+_TF_ARGUMENTS = {
+  "loss_scale": "initial_scale=..., dynamic=False for TensorFlow 2.3's fixed "
+  "`loss_scale` (ExperimentalLossScaleOptimizer takes it as it is)",
+  "initial_loss_scale": "initial_scale",
+  "increment_period": "dynamic_growth_steps",
+}
+
+
 def unexpected_message(
   inner: Any, unexpected: dict[str, Any], owner: str = "LossScaleOptimizer"
 ) -> str:
-  """What to write instead of an optimizer's hyper-parameters as keywords
-  (``owner``: the class that got them)."""
+  """What to write instead of keywords ``owner`` does not take: for an
+  optimizer's hyper-parameters, its config; for TensorFlow's names and
+  misspellings of ``LossScaleOptimizer``'s arguments, those arguments."""
   given = ", ".join(f"{k}={v!r}" for k, v in unexpected.items())
   head = f"{owner} got unexpected keyword argument(s) {given}."
+  hyper = {k for d in _keras_math.DEFAULTS.values() for k in d}
+  hyper |= _optimizers.argument_names()
+  hyper -= set(_TF_ARGUMENTS)
+  if not set(unexpected) <= hyper:  # TensorFlow's names, or misspellings
+    own = _keras_config.constructor_keys(LossScaleOptimizer)
+    notes = []
+    for k in unexpected:
+      if k in _TF_ARGUMENTS:
+        notes.append(f"For `{k}` write {_TF_ARGUMENTS[k]}.")
+      elif k in hyper:
+        notes.append(f"`{k}`, an optimizer's hyper-parameter, goes in its config.")
+      else:
+        close = difflib.get_close_matches(k, own, n=1)
+        notes.append(
+          f"`{k}` is no argument of LossScaleOptimizer"
+          + (f" (did you mean `{close[0]}`?)" if close else "")
+          + f"; its arguments are {', '.join(own)}."
+        )
+    return f"{head} {' '.join(notes)}"
   if isinstance(inner, str):
     hyper = ", ".join(f"{k!r}: {v!r}" for k, v in unexpected.items())
     return (

@@ -23,6 +23,7 @@ from optax_lossscale._base import validate as _validate
 from optax_lossscale.porting import _keras_config
 
 __all__ = [
+  "argument_names",
   "clip_each_by_norm",
   "decoupled_weight_decay",
   "get_learning_rate",
@@ -118,6 +119,13 @@ def _check_optax_arguments(name: str, config: dict[str, Any]) -> None:
     elif isinstance(default, (int, float)) or (optional_number and v is not None):
       if not callable(v):
         _validate.as_float(k, v)
+
+
+def argument_names() -> frozenset:
+  """The arguments of the optax optimizers a Keras name maps to."""
+  return frozenset(
+    k for fn in _OPTIMIZERS.values() for k in inspect.signature(fn).parameters
+  )
 
 
 def has_own_weight_decay(name: str) -> bool:
