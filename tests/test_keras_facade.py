@@ -749,6 +749,8 @@ OPTAX_ARGUMENTS = {
   "a NumPy number": ("adam", {"b1": np.float32(0.8)}, None),
   "a schedule": ("adam", {"b1": lambda count: 0.9}, None),
   "sgd's momentum and nesterov": ("sgd", {"momentum": 0.9, "nesterov": True}, None),
+  "None where optax takes it": ("adafactor", {"clipping_threshold": None}, None),
+  "None where optax does not": ("adam", {"b1": None}, "`b1` must be a real number"),
 }  # fmt: skip
 
 

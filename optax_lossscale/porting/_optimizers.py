@@ -112,13 +112,14 @@ def _check_optax_arguments(name: str, config: dict[str, Any]) -> None:
     )
   for k, v in config.items():
     default, kind = params[k].default, str(params[k].annotation)
-    optional_number = default is None and "float" in kind and "Any" not in kind
+    number = isinstance(default, (int, float)) or (
+      default is None and "float" in kind and "Any" not in kind
+    )
     if isinstance(default, bool):
       if not isinstance(v, bool):
         raise ValueError(f"`{k}` of optax's {name} must be a bool, got {v!r}.")
-    elif isinstance(default, (int, float)) or (optional_number and v is not None):
-      if not callable(v):
-        _validate.as_float(k, v)
+    elif number and not callable(v) and not (v is None and "None" in kind):
+      _validate.as_float(k, v)  # None where optax takes it (adafactor's clipping)
 
 
 def argument_names() -> frozenset:
