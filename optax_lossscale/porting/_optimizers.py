@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import typing
 from collections.abc import Mapping
 from typing import Any
 
@@ -118,8 +119,20 @@ def _check_optax_arguments(name: str, config: dict[str, Any]) -> None:
     if isinstance(default, bool):
       if not isinstance(v, bool):
         raise ValueError(f"`{k}` of optax's {name} must be a bool, got {v!r}.")
-    elif number and not callable(v) and not (v is None and "None" in kind):
+    elif number and not callable(v) and not (v is None and _takes_none(params[k])):
       _validate.as_float(k, v)  # None where optax takes it (adafactor's clipping)
+
+
+def _takes_none(param: inspect.Parameter) -> bool:
+  """Whether ``param``'s annotation admits None: ``Optional[float]`` (older
+  optax) or a union naming ``NoneType`` (newer), or a None default."""
+  kind = param.annotation
+  return (
+    param.default is None
+    or kind is None
+    or type(None) in typing.get_args(kind)
+    or (isinstance(kind, str) and ("None" in kind or "Optional" in kind))
+  )
 
 
 def argument_names() -> frozenset:
