@@ -891,6 +891,79 @@ def test_from_config_refuses_a_malformed_config(name):
     cls().from_config(config)
 
 
+def _tf23(loss_scale):
+  return lambda: P.LossScaleOptimizer.from_config(
+    {"optimizer": "sgd", "loss_scale": loss_scale}
+  )
+
+
+def _tf23_dynamic(**config):
+  return _tf23({"class_name": "DynamicLossScale", "config": config})
+
+
+# A value given under TensorFlow's name and checked under the name it is
+# translated to: the error names what the caller wrote (it named
+# growth_factor for a multiplier, initial_scale for loss_scale_value).
+AS_WRITTEN = {
+  "multiplier, not finite in float32": (
+    lambda: P.DynamicLossScale(multiplier=1e39), "`multiplier` is 1e.39"
+  ),
+  "multiplier, 1 in float32": (
+    lambda: P.DynamicLossScale(multiplier=1 + 1e-9), "`multiplier` must be > 1"
+  ),
+  "initial_loss_scale, not finite in float32": (
+    lambda: P.DynamicLossScale(initial_loss_scale=1e39), "`initial_loss_scale` is"
+  ),
+  "initial_loss_scale, zero": (
+    lambda: P.DynamicLossScale(initial_loss_scale=0.0),
+    "`initial_loss_scale` must be positive",
+  ),
+  "increment_period, zero": (
+    lambda: P.DynamicLossScale(increment_period=0), "`increment_period` must be"
+  ),
+  "increment_period, not an integer": (
+    lambda: P.DynamicLossScale(increment_period=2.5), "`increment_period` must be"
+  ),
+  "from_config, multiplier": (
+    lambda: P.DynamicLossScale.from_config(
+      {"initial_loss_scale": 2.0, "increment_period": 2, "multiplier": 1e39}
+    ),
+    "`multiplier` is",
+  ),
+  "from_config, increment_period": (
+    lambda: P.DynamicLossScale.from_config(
+      {"initial_loss_scale": 2.0, "increment_period": 0, "multiplier": 2.0}
+    ),
+    "`increment_period` must be",
+  ),
+  "TensorFlow 2.3's, loss_scale_value": (
+    _tf23({"class_name": "FixedLossScale", "config": {"loss_scale_value": 1e39}}),
+    "`loss_scale_value` is",
+  ),
+  "TensorFlow 2.3's, initial_loss_scale": (
+    _tf23_dynamic(initial_loss_scale=-1.0), "`initial_loss_scale` must be a positive"
+  ),
+  "TensorFlow 2.3's, increment_period": (
+    _tf23_dynamic(increment_period=0), "`increment_period` must be"
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", AS_WRITTEN)
+def test_an_error_names_the_argument_as_written(case):
+  make, match = AS_WRITTEN[case]
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_our_names_are_ours_in_errors_beside_tensorflow_names():
+  """Only the arguments given by TensorFlow's names are renamed."""
+  with pytest.raises(ValueError, match="`growth_factor` is 1e"):
+    P.DynamicLossScale(growth_factor=1e39, initial_scale=8.0)
+  with pytest.raises(ValueError, match="`growth_interval` must be"):
+    P.DynamicLossScale(growth_interval=0, initial_loss_scale=8.0)
+
+
 def test_from_config_reads_any_mapping():
   config = types.MappingProxyType({"loss_scale_value": 8.0})
   obj = P.StaticLossScale.from_config(config)

@@ -256,7 +256,10 @@ def lso_kwargs(
       )
     if ls_class == "FixedLossScale":
       config["dynamic"] = False
-      config["initial_scale"] = _tf_rule.fixed_value(ls_config)
+      # checked under TensorFlow's names, which the caller wrote
+      config["initial_scale"] = positive_f32(
+        "loss_scale_value", _tf_rule.fixed_value(ls_config)
+      )
     elif ls_class == "DynamicLossScale":
       multiplier = _validate.float_in(
         "multiplier", ls_config.get("multiplier", 2.0), 0.0, math.inf
@@ -267,8 +270,12 @@ def lso_kwargs(
           f"multiplier is not 2: {ls!r}."
         )
       config["dynamic"] = True
-      config["initial_scale"] = ls_config.get("initial_loss_scale", 2.0**15)
-      config["dynamic_growth_steps"] = ls_config.get("increment_period", 2000)
+      config["initial_scale"] = positive_f32(
+        "initial_loss_scale", ls_config.get("initial_loss_scale", 2.0**15)
+      )
+      config["dynamic_growth_steps"] = _validate.int_in(
+        "increment_period", ls_config.get("increment_period", 2000), 1
+      )
     else:
       raise ValueError(
         "A LossScaleOptimizer config whose `loss_scale` is neither a "

@@ -305,18 +305,24 @@ class DynamicLossScale(LossScale):
     defaults = {
       k: type(v).__base__(v) for k, v in ours.items() if not _tf_names.given(v)
     }
-    kwargs = {**defaults, **_tf_names.resolve_tf_names(given, tf)}
-    clamps = {"min_scale": min_scale, "max_scale": max_scale, "hysteresis": hysteresis}
-    tf_style = any(v is not None for v in tf.values())
-    ours_only = "backoff_factor" in given or any(v is not None for v in clamps.values())
-    if ours_only or not tf_style:
-      super().__init__(
-        _config.dynamic_config(
+    with _tf_names.as_given(tf):
+      kwargs = {**defaults, **_tf_names.resolve_tf_names(given, tf)}
+      clamps = {
+        "min_scale": min_scale,
+        "max_scale": max_scale,
+        "hysteresis": hysteresis,
+      }
+      tf_style = any(v is not None for v in tf.values())
+      ours_only = "backoff_factor" in given or any(
+        v is not None for v in clamps.values()
+      )
+      if ours_only or not tf_style:
+        config = _config.dynamic_config(
           **{k: v for k, v in clamps.items() if v is not None}, **kwargs
         )
-      )
-      return
-    super().__init__(_tf_rule.config(kwargs))
+      else:
+        config = _tf_rule.config(kwargs)
+    super().__init__(config)
 
   # TensorFlow's attribute names.
   @property

@@ -9,11 +9,13 @@ not, whatever the value.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from optax_lossscale._base import validate as _validate
 
-__all__ = ["DefaultFloat", "DefaultInt", "given", "resolve_tf_names"]
+__all__ = ["DefaultFloat", "DefaultInt", "as_given", "given", "resolve_tf_names"]
 
 
 class DefaultFloat(float):
@@ -66,3 +68,25 @@ def resolve_tf_names(ours: dict[str, Any], tf: dict[str, Any]) -> dict[str, Any]
     out["growth_factor"] = growth_factor
     out["backoff_factor"] = 1.0 / growth_factor
   return out
+
+
+@contextlib.contextmanager
+def as_given(tf: dict[str, Any]) -> Iterator[None]:
+  """A ValueError raised inside names each argument as the caller spelled it.
+
+  ``tf`` holds TensorFlow's arguments (``None``: not given); one given is
+  checked under the name it was translated to (``multiplier`` as
+  ``growth_factor``), and the error says TensorFlow's.
+  """
+  renames = {ours: theirs for theirs, ours in _TF_NAMES if tf.get(theirs) is not None}
+  if tf.get("multiplier") is not None:
+    renames |= {"growth_factor": "multiplier", "backoff_factor": "multiplier"}
+  try:
+    yield
+  except ValueError as e:
+    message = str(e)
+    for ours, theirs in renames.items():
+      message = message.replace(f"`{ours}`", f"`{theirs}`")
+    if message == str(e):
+      raise
+    raise ValueError(message) from None
