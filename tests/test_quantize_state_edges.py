@@ -7,6 +7,9 @@ through a tree operation (``jax.tree.map``, Equinox's ``filter_jit``), and
 ``dequantize_state`` of an abstract state.
 """
 
+from typing import Any, NamedTuple
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -321,3 +324,77 @@ def test_nearest_rounding_holds_a_slow_moment_stochastic_rounding_tracks_it():
   exact = _lion_loss(None)
   assert _lion_loss("stochastic") <= 1.25 * exact
   assert _lion_loss("nearest") >= 3 * exact
+
+
+# --------------------------------------------------------------------------
+# Python numbers: jit makes them arrays, and the choice must not depend on
+# whether the step is jitted.
+# --------------------------------------------------------------------------
+
+
+class _CountState(NamedTuple):
+  count: Any  # a Python float, left one by eager updates
+  m: Any
+
+
+def _counting():
+  """An inner transformation whose state keeps a Python float."""
+
+  def init(params):
+    return _CountState(0.0, jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None):
+    m = jax.tree.map(lambda a, g: 0.9 * a + g, state.m, updates)
+    return m, _CountState(state.count + 1.0, m)
+
+  return optax.GradientTransformation(init, update)
+
+
+def _everything(path, leaf):
+  return True
+
+
+def _moments_only(path, leaf):
+  return getattr(path[0], "name", None) == "m"
+
+
+# (inner, kwargs, params): a Python float as a parameter, or in the inner
+# state unchosen or chosen. Eagerly its moment was kept while jit quantised
+# it; an eager update refused a Python float in the state as made "for
+# other parameters".
+PYTHON_NUMBERS = {
+  "a float parameter, min_size=0": (optax.adam, {"min_size": 0}, {"w": 0.5}),
+  "a float in the state, not chosen": (
+    _counting, {"select": _moments_only}, _tree(0)
+  ),
+  "a float in the state, chosen": (
+    _counting, {"min_size": 0, "select": _everything}, _tree(0)
+  ),
+  "a float in the state, chosen, flat": (
+    _counting, {"min_size": 0, "select": _everything, "layout": "flat"}, _tree(0)
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PYTHON_NUMBERS)
+def test_python_numbers_are_chosen_alike_eagerly_and_under_jit(case):
+  make, kwargs, params = PYTHON_NUMBERS[case]
+  inner = make(0.1) if make is optax.adam else make()
+  tx = ols.quantize_state(inner, **kwargs)
+  grads = jax.tree.map(lambda p: 0.5 * jnp.ones_like(jnp.asarray(p)), params)
+  is_stored = lambda x: isinstance(x, (q.QuantizedLeaf, q.GroupedLeaf))  # noqa: E731
+  runs = {}
+  for mode, (init, update) in {
+    "eager": (tx.init, tx.update),
+    "jit": (jax.jit(tx.init), jax.jit(tx.update)),
+  }.items():
+    state = init(params)
+    stored = [is_stored(x) for x in jax.tree.leaves(state, is_leaf=is_stored)]
+    for _ in range(2):
+      updates, state = update(grads, state, params)
+    runs[mode] = stored, updates
+  assert runs["eager"][0] == runs["jit"][0]
+  chex.assert_trees_all_close(runs["eager"][1], runs["jit"][1], rtol=1e-6)
+  # a state made eagerly updates under jit, and the other way round
+  jax.jit(tx.update)(grads, tx.init(params), params)
+  tx.update(grads, jax.jit(tx.init)(params), params)

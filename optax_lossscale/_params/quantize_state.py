@@ -311,7 +311,9 @@ def quantize_state(
   def chosen(inner_state, shapes) -> list[int]:
     """The indices (in ``jax.tree.leaves`` order) of the leaves to quantise."""
     with_paths = jax.tree_util.tree_flatten_with_path(inner_state)[0]
-    sized = [_floating(x) and x.size >= min_size and x.size > 0 for _, x in with_paths]
+    sized = [
+      _floating(x) and np.size(x) >= min_size and np.size(x) > 0 for _, x in with_paths
+    ]
     if select is not None:
       return [
         i
@@ -320,7 +322,7 @@ def quantize_state(
       ]
     marks = _moments.marks(inner_state)
     shaped = [
-      sized[i] and tuple(x.shape) in shapes for i, (_, x) in enumerate(with_paths)
+      sized[i] and tuple(np.shape(x)) in shapes for i, (_, x) in enumerate(with_paths)
     ]
     out = [i for i, m in enumerate(marks) if m and shaped[i]]
     unknown = [
@@ -341,6 +343,9 @@ def quantize_state(
   def quantized(inner_state, params):
     leaves, treedef = jax.tree.flatten(inner_state)
     picked = chosen(inner_state, _shapes(params))
+    for i in picked:  # a Python float chosen: the array jit would make of it
+      leaves[i] = jnp.asarray(leaves[i])
+    inner_state = jax.tree.unflatten(treedef, leaves)
     if flat:
       state, coded = _flat.encoded(
         inner_state, picked, params, block_size, store_sqrt, stochastic
@@ -393,6 +398,7 @@ def quantize_state(
     groups: dict = {}
     for i, (path, t) in enumerate(with_paths):
       if _is_quantized(t):
+        out[i] = jnp.asarray(out[i])  # an eager update's Python float
         owner = _tree.owner_path(path, owners)
         owner = path if owner is None else owner
         key = (owner, tuple(out[i].shape), _tree.explicit_spec(out[i]))
@@ -454,12 +460,16 @@ def quantize_state(
 
 
 def _shapes(params: Any) -> set:
-  """The shapes of the parameters' arrays."""
-  return {tuple(p.shape) for p in jax.tree.leaves(params) if hasattr(p, "shape")}
+  """The shapes of the parameters (a Python number's is ``()``, as it is
+  once ``jax.jit`` has made it an array)."""
+  return {tuple(np.shape(p)) for p in jax.tree.leaves(params)}
 
 
 def _floating(x: Any) -> bool:
-  """A real floating array, or its abstract value (complex leaves are kept)."""
+  """A real floating array, its abstract value, or a Python float (an array
+  once traced: chosen alike eagerly and under jit); complex leaves are kept."""
+  if isinstance(x, float):
+    return True
   return (_tree.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)) and jnp.issubdtype(
     x.dtype, jnp.floating
   )
@@ -514,6 +524,8 @@ def _describe(x: Any, dtype: bool = True) -> str:
       f"quantised {name(x.dtype)}{list(x.shape)} in group {x.group} from "
       f"{x.start} (block_size {x.block_size}, store_sqrt {x.sqrt})"
     )
+  if isinstance(x, (int, float, complex)):  # a Python number: jit makes it an array
+    x = jax.ShapeDtypeStruct((), jnp.result_type(x))
   if getattr(x, "dtype", None) is None:
     return type(x).__name__
   return f"{name(x.dtype)}{list(getattr(x, 'shape', ()))}"
