@@ -478,7 +478,11 @@ TENSORFLOW_BOUNDS = [
   ("backs off from below 1 to 1", 2.0, 0.25, False, 1.0),
   ("backs off to no less than 1", 2.0, 1.5, False, 1.0),
   ("backs off by the factor", 4.0, 2.0**10, False, 2.0**8),
-  ("grows past the clamp", 2.0, 2.0**24, True, 2.0**25),
+  # growth only up to max_scale (TensorFlow's: while finite; the porting
+  # package's max_scale is 2**126, whose reciprocal is still normal)
+  ("grows to max_scale", 2.0, 2.0**23, True, 2.0**24),
+  ("stays where growth passes max_scale", 2.0, 2.0**24, True, 2.0**24),
+  ("stays where growth would pass max_scale", 3.0, 2.0**23, True, 2.0**23),
   ("stays where growth overflows", 2.0, _F32MAX_POW2, True, _F32MAX_POW2),
 ]
 

@@ -1017,19 +1017,74 @@ def test_from_config_reads_keras_3_metadata():
   assert P.LossScaleOptimizer("sgd").get_config()["name"] == "loss_scale_optimizer"
 
 
-def test_fixed_loss_scale_takes_float32_max():
-  """TensorFlow's FixedLossScale takes any value up to float32's largest."""
-  big = float(np.finfo(np.float32).max)
-  for skip in (False, True):
-    ls = P.StaticLossScale(big, skip_nonfinite=skip)
-    assert float(ls()) == big
-    assert P.StaticLossScale.from_config(ls.get_config()).config == ls.config
-    ls2, ok = ls.update([jnp.float32(1.0)])
-    assert bool(ok) and float(ls2()) == big
-  with pytest.raises(ValueError, match="not finite in float32"):
-    P.StaticLossScale(1e39)
-  with pytest.raises(ValueError, match="2\\*\\*-126"):
-    P.StaticLossScale(2.0**-127)
+_F32_MAX = float(np.finfo(np.float32).max)
+_DYNAMIC_TF = {"class_name": "DynamicLossScale", "config": {"increment_period": 2}}
+
+
+def _tf23_initial(value):
+  config = {"initial_loss_scale": value, "increment_period": 2}
+  return {"class_name": "DynamicLossScale", "config": config}
+
+
+# Every way to give a scale above 2**126, whose reciprocal (what the
+# gradients are multiplied by) is subnormal: XLA flushes it to zero on a
+# CPU, and every update was zero eagerly (TensorFlow takes such scales,
+# with the same result).
+ABOVE_2_126 = {
+  "StaticLossScale": lambda v: P.StaticLossScale(v),
+  "StaticLossScale.from_config": lambda v: P.StaticLossScale.from_config(
+    {"loss_scale_value": v}
+  ),
+  "DynamicLossScale, TensorFlow's names": lambda v: P.DynamicLossScale(
+    initial_loss_scale=v
+  ),
+  "LossScaleOptimizer": lambda v: P.LossScaleOptimizer("sgd", initial_scale=v),
+  "LossScaleOptimizer, tf_keras": lambda v: P.LossScaleOptimizer(
+    "sgd", initial_scale=v, legacy_keras=True
+  ),
+  "LossScaleOptimizer, fixed": lambda v: P.LossScaleOptimizer(
+    "sgd", initial_scale=v, dynamic=False
+  ),
+  "ExperimentalLossScaleOptimizer": lambda v: P.ExperimentalLossScaleOptimizer(
+    "sgd", loss_scale=v
+  ),
+  "TensorFlow 2.3's config, fixed": lambda v: P.LossScaleOptimizer.from_config(
+    {"optimizer": "sgd", "loss_scale": {"class_name": "FixedLossScale",
+     "config": {"loss_scale_value": v}}}
+  ),
+  "TensorFlow 2.3's config, dynamic": lambda v: P.LossScaleOptimizer.from_config(
+    {"optimizer": "sgd", "loss_scale": _tf23_initial(v)}
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("value", [2.0**127, _F32_MAX], ids=["2**127", "f32 max"])
+@pytest.mark.parametrize("entry", ABOVE_2_126)
+def test_a_scale_above_2_126_is_refused(entry, value):
+  with pytest.raises(ValueError, match="2\\*\\*126"):
+    ABOVE_2_126[entry](value)
+  ABOVE_2_126[entry](2.0**126)  # the ceiling itself is taken
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras 3", "tf_keras"])
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_growth_stops_at_2_126_and_updates_stay_right(legacy, jitted):
+  """Keras' and TensorFlow's rule doubles while the result is finite, to
+  2**127, whose reciprocal is subnormal: the updates were zero (eagerly in
+  both modes, under jit with tf_keras' reciprocal too)."""
+  opt = P.LossScaleOptimizer(
+    "sgd", initial_scale=2.0**125, dynamic_growth_steps=1, legacy_keras=legacy
+  )
+  update = jax.jit(opt.update) if jitted else opt.update
+  params = {"w": jnp.ones(4)}
+  state = opt.init(params)
+  scales = []
+  for _ in range(3):
+    scale = ols.get_scale(state)
+    scales.append(float(scale))
+    updates, state = update({"w": jnp.full(4, 0.5) * scale}, state, params)
+    np.testing.assert_allclose(updates["w"], -0.005, rtol=1e-6)  # sgd, 0.01
+  assert scales == [2.0**125, 2.0**126, 2.0**126]
 
 
 # --------------------------------------------------------------------------

@@ -62,10 +62,10 @@ class LossScaleConfig:
     bounds: how the bounds apply to a dynamic scale. ``"clamp"`` (the
       default): every new scale is clipped to ``[min_scale, max_scale]``.
       ``"tensorflow"``: TensorFlow's rule: the scale grows only where the
-      grown value is a finite float32 (no other ceiling), a backoff divides
-      by ``growth_factor`` and floors at 1, and nothing else moves the
-      scale, so any positive finite initial scale is kept until it grows or
-      backs off; a fixed scale keeps the state's scale and counter.
+      grown value is at most ``max_scale`` (TensorFlow's: a finite
+      float32), a backoff divides by ``growth_factor`` and floors at 1, and
+      nothing else moves the scale, so an initial scale is kept until it
+      grows or backs off; a fixed scale keeps the state's scale and counter.
       ``"keras"``: the same, but a backoff only divides (no floor, as Keras
       3's ``LossScaleOptimizer``: a scale below 1 keeps halving).
   """

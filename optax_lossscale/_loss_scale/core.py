@@ -287,9 +287,10 @@ def adjust(
   applied when :func:`check` finds it finite, which it does not where the
   state's scale is below 1 and the configuration's scales are not. Under
   ``"tensorflow"`` it is TensorFlow's rule (``LossScaleConfig.bounds``):
-  growth only to a finite float32, a backoff to ``max(scale /
-  growth_factor, 1)``, no clamp; under ``"keras"`` (Keras 3's) the backoff
-  is ``scale / growth_factor``, with no floor.
+  growth only to ``max_scale`` (TensorFlow's: to any finite float32), a
+  backoff to ``max(scale / growth_factor, 1)``, no other clamp; under
+  ``"keras"`` (Keras 3's) the backoff is ``scale / growth_factor``, with no
+  floor.
 
   Returns:
     ``(new state, should_apply)``: whether this step's update is applied.
@@ -309,9 +310,10 @@ def adjust(
     back_off = jnp.logical_and(jnp.logical_not(finite), hyst_after_bad <= 0)
     grown = s.loss_scale * config.growth_factor
     if tensorflow:
-      # TensorFlow's bounds: growth kept only while finite, a backoff
-      # divided by the multiplier and floored at 1, nothing clipped.
-      grown = jnp.where(jnp.isfinite(grown), grown, s.loss_scale)
+      # TensorFlow's bounds: growth kept only up to max_scale (TensorFlow's
+      # while finite: above 2**126 the reciprocal is subnormal, flushed to
+      # zero), a backoff divided by the multiplier and floored at 1, no clip.
+      grown = jnp.where(grown <= config.max_scale, grown, s.loss_scale)
       backed_off = s.loss_scale / config.growth_factor
       if config.bounds == "tensorflow":
         backed_off = jnp.maximum(backed_off, 1.0)

@@ -270,10 +270,11 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   accumulation, the EMA, ``iterations``), as Keras 3's ``LossScaleOptimizer``
   does (tf_keras 2.x's with ``legacy_keras=True``), under TensorFlow's rule:
   the scale is multiplied by 2 after ``dynamic_growth_steps`` finite steps
-  in a row *if the product is finite*, and halved on a non-finite step,
+  in a row *if the product is at most 2**126* (Keras': if finite), and
+  halved on a non-finite step,
   which is skipped, with no floor, as Keras 3 (tf_keras' ``max(scale / 2,
   1)`` with ``legacy_keras=True``; a floor of one's choosing with
-  ``min_scale``); any positive finite initial scale is accepted. The
+  ``min_scale``); a positive initial scale up to ``2**126`` is accepted. The
   unscaled gradients are checked (tf_keras' check; Keras 3 checks the
   scaled ones, which differs only below scale 1).
 

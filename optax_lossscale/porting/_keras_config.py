@@ -27,6 +27,7 @@ __all__ = [
   "inner_parts",
   "lso_kwargs",
   "positive_f32",
+  "scale_f32",
   "set_inner",
   "validate_base",
 ]
@@ -257,7 +258,7 @@ def lso_kwargs(
     if ls_class == "FixedLossScale":
       config["dynamic"] = False
       # checked under TensorFlow's names, which the caller wrote
-      config["initial_scale"] = positive_f32(
+      config["initial_scale"] = scale_f32(
         "loss_scale_value", _tf_rule.fixed_value(ls_config)
       )
     elif ls_class == "DynamicLossScale":
@@ -270,7 +271,7 @@ def lso_kwargs(
           f"multiplier is not 2: {ls!r}."
         )
       config["dynamic"] = True
-      config["initial_scale"] = positive_f32(
+      config["initial_scale"] = scale_f32(
         "initial_loss_scale", ls_config.get("initial_loss_scale", 2.0**15)
       )
       config["dynamic_growth_steps"] = _validate.int_in(
@@ -366,7 +367,7 @@ def scale_args(dynamic: bool, initial: Any, growth: Any) -> tuple[float, int | N
       raise ValueError(
         f"`dynamic_growth_steps` must be None when `dynamic` is False, got {growth!r}."
       )
-  return positive_f32("initial_scale", initial), growth
+  return scale_f32("initial_scale", initial), growth
 
 
 def positive_f32(name: str, value: Any) -> float:
@@ -374,3 +375,11 @@ def positive_f32(name: str, value: Any) -> float:
   if out <= 0:
     raise ValueError(f"`{name}` must be a positive finite number, got {value!r}.")
   return out
+
+
+def scale_f32(name: str, value: Any) -> float:
+  """A loss scale Keras' optimizer takes: positive, float32, at most
+  ``2**126`` (:func:`_tf_rule.check_ceiling`)."""
+  from optax_lossscale.porting import _tf_rule
+
+  return _tf_rule.check_ceiling(name, positive_f32(name, value))

@@ -238,8 +238,9 @@ class DynamicLossScale(LossScale):
   ``increment_period``, ``multiplier``, as TensorFlow's own ``from_config``
   passes them) and none of ``backoff_factor``, ``min_scale``, ``max_scale``
   and ``hysteresis``, it is ``tf.compat.v1.mixed_precision.DynamicLossScale``:
-  TensorFlow's rule (the scale grows while the grown value is finite and
-  backs off to no less than 1; any positive finite float32 initial scale),
+  TensorFlow's rule (the scale grows while the grown value is at most
+  ``2**126``, where TensorFlow's grows while finite, and backs off to no
+  less than 1; a positive float32 initial scale up to ``2**126``),
   and ``get_config`` gives TensorFlow's dict. Otherwise it is the core's
   rule, clamped to ``[min_scale, max_scale]`` (default ``[1, 2**24]``).
 

@@ -6,9 +6,11 @@
 multiplier *if the product is finite* (else it stays), and a non-finite
 step sets it to ``max(scale / multiplier, 1)``. There is no ceiling but
 float32's and no floor but 1, applied on a backoff only: a scale that starts
-below 1 grows from there and jumps to 1 at its first backoff. The core's
-rule (:func:`optax_lossscale._loss_scale.core.adjust`) clamps every change to
-``[min_scale, max_scale]`` by default; TensorFlow's is its
+below 1 grows from there and jumps to 1 at its first backoff. Here the
+ceiling is ``2**126``: above it the scale's reciprocal, which multiplies
+the gradients, is subnormal, and XLA and TensorFlow on a CPU flush it to
+zero. The core's rule (:func:`optax_lossscale._loss_scale.core.adjust`)
+clamps every change to ``[min_scale, max_scale]`` by default; TensorFlow's is its
 ``bounds="tensorflow"`` configuration, which this module builds for the
 porting package.
 """
@@ -22,7 +24,14 @@ from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale.config import LossScaleConfig
 
-__all__ = ["TFRuleConfig", "config", "fixed_config", "fixed_value", "keras_config"]
+__all__ = [
+  "TFRuleConfig",
+  "check_ceiling",
+  "config",
+  "fixed_config",
+  "fixed_value",
+  "keras_config",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,37 +59,33 @@ def fixed_value(config: dict[str, Any]) -> float:
 
 
 def fixed_config(scale: Any, skip_nonfinite: Any) -> LossScaleConfig:
-  """The core's fixed-scale configuration, for any float32 scale from
-  ``2**-126`` up to float32's largest (TensorFlow's ``FixedLossScale`` takes
-  them all; the core's own ceiling is ``2**126``)."""
-  _, hi = _validate.SCALE_RANGE
-  value = _validate.as_f32("scale", scale)
-  if value <= hi:
-    return _config.static_config(scale, skip_nonfinite)
-  at_ceiling = _config.static_config(hi, skip_nonfinite)
-  return dataclasses.replace(
-    at_ceiling, initial_scale=value, min_scale=value, max_scale=value
-  )
+  """The core's fixed-scale configuration, for a float32 scale in
+  ``[2**-126, 2**126]``. TensorFlow's ``FixedLossScale`` takes any value up
+  to float32's largest, but above ``2**126`` the reciprocal the gradients
+  are multiplied by is subnormal, which XLA and TensorFlow on a CPU flush to
+  zero: every update would be zero. Refused, as the core refuses it."""
+  return _config.static_config(_validate.check_scale("scale", scale), skip_nonfinite)
 
 
 def config(kwargs: dict[str, Any]) -> TFRuleConfig:
-  """A validated :class:`TFRuleConfig`: any positive finite float32 initial
-  scale, an integer growth interval, a multiplier above 1."""
+  """A validated :class:`TFRuleConfig`: a positive float32 initial scale up
+  to ``2**126``, an integer growth interval, a multiplier above 1."""
   initial = _validate.as_f32("initial_scale", kwargs["initial_scale"])
   if initial <= 0:
     raise ValueError(f"`initial_scale` must be positive, got {initial!r}.")
+  initial = check_ceiling("initial_scale", initial)
   growth = _validate.int_in("growth_interval", kwargs["growth_interval"], 1)
   multiplier = _validate.as_f32("growth_factor", kwargs["growth_factor"])
   if multiplier <= 1:
     raise ValueError(f"`growth_factor` must be > 1 in float32, got {multiplier!r}.")
-  lo, hi = _validate.SCALE_RANGE
+  _, hi = _validate.SCALE_RANGE
   return TFRuleConfig(
     initial_scale=initial,
     growth_interval=growth,
     growth_factor=multiplier,
     backoff_factor=_validate.as_f32("backoff_factor", 1.0 / multiplier),
     min_scale=min(1.0, initial),
-    max_scale=max(hi, initial),
+    max_scale=hi,
   )
 
 
@@ -101,8 +106,22 @@ def keras_config(
     initial_scale=initial_scale,
     growth_interval=growth_steps if dynamic else 1,
     min_scale=min(1.0, initial_scale) if legacy else 0.0,
-    max_scale=max(hi, initial_scale),
+    max_scale=hi,
     dynamic=dynamic,
     skip_nonfinite=dynamic,
     bounds="tensorflow" if legacy else "keras",
   )
+
+
+def check_ceiling(name: str, value: float) -> float:
+  """``value`` unless it is above ``2**126``, whose reciprocal is subnormal."""
+  _, hi = _validate.SCALE_RANGE
+  if value > hi:
+    raise ValueError(
+      f"`{name}` must be at most 2**126, got {value!r}: the gradients are "
+      "multiplied by the scale's reciprocal, which above 2**126 is a "
+      "subnormal float32 number that XLA and TensorFlow flush to zero on a "
+      "CPU, so every update would be zero (TensorFlow takes such a scale, "
+      "and does that)."
+    )
+  return value
