@@ -263,3 +263,63 @@ def test_float64_outputs_come_back_as_from_the_plain_function():
     _assert_same_outputs(fast(x, wide)[1], want[1])
     _, got = jax.grad(fast, has_aux=True)(x, wide)
     _assert_same_outputs(got, want[1])
+
+
+# --------------------------------------------------------------------------
+# Primitives whose jaxpr combines scalars (scatter-add's update_jaxpr,
+# lax.reduce's computation): first-order, run in the dtypes written. They
+# raised NotImplementedError as higher-order primitives.
+# --------------------------------------------------------------------------
+
+_IDX = jnp.array([0, 1, 1, 3])
+
+# (function of (w, x), differentiable by JAX itself)
+COMBINERS = {
+  "scatter-add": (lambda w, x: jnp.zeros((6, 8)).at[_IDX].add(x @ w), True),
+  "scatter-mul": (lambda w, x: jnp.ones((6, 8)).at[_IDX].multiply(x @ w), False),
+  "scatter-max": (lambda w, x: jnp.zeros((6, 8)).at[_IDX].max(x @ w), True),
+  "scatter-min": (lambda w, x: jnp.zeros((6, 8)).at[_IDX].min(x @ w), True),
+  "segment_sum": (lambda w, x: jax.ops.segment_sum(x @ w, _IDX, 6), True),
+  "bincount": (
+    lambda w, x: jnp.bincount(_IDX, weights=(x @ w)[:, 0], length=6), True
+  ),
+  "lax.reduce": (
+    lambda w, x: lax.reduce(
+      (x @ w, x @ w), (0.0, 1.0), lambda a, b: (a[0] + b[0], a[1] * b[1]), (0,)
+    )[1],
+    True,
+  ),
+  "lax.reduce_window": (
+    lambda w, x: lax.reduce_window(
+      x @ w, 0.0, lambda a, b: a + jnp.sin(b), (2, 2), (1, 1), "VALID"
+    ),
+    False,
+  ),
+  "the gradient of a take": (
+    lambda w, x: jax.grad(lambda w: jnp.take(x @ w, _IDX, axis=0).sum())(w), True
+  ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=str)
+@pytest.mark.parametrize("case", COMBINERS)
+def test_primitives_that_combine_scalars_run_as_written(case, dtype):
+  fun, differentiable = COMBINERS[case]
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=(8, 8)) * 0.3, jnp.float32)
+  x = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
+  cast = ols.autocast(fun, compute_dtype=dtype)
+  out, want = cast(w, x), fun(w, x)
+  assert out.dtype == want.dtype == jnp.float32
+  tol = 3e-2 if dtype == jnp.bfloat16 else 3e-3
+  np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+  chex.assert_trees_all_equal(jax.jit(cast)(w, x), out)
+  # the matmul before it still runs in the compute dtype
+  (matmul, *_) = ols.list_matmuls(cast, w, x)
+  assert matmul.precision == jnp.dtype(dtype).name
+  if differentiable:
+    grad = jax.grad(lambda w: cast(w, x).sum())(w)
+    assert grad.dtype == jnp.float32
+    np.testing.assert_allclose(
+      grad, jax.grad(lambda w: fun(w, x).sum())(w), rtol=tol, atol=tol * 10
+    )

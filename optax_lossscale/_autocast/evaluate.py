@@ -175,6 +175,10 @@ def _eval_eqn(eqn, invals, walk: Walk, float32: dict, moved: set):
     return _while(eqn, invals, walk, flags)
   if name == "cond":
     return _cond(eqn, invals, walk, flags)
+  if _combines(name):
+    # A first-order primitive whose jaxpr only combines scalars of its
+    # operands' dtypes: run in the dtypes the function wrote.
+    return _jaxpr.bind(eqn, _match(invals, [v.aval.dtype for v in eqn.invars]))
   if any(isinstance(p, (Jaxpr, ClosedJaxpr)) for p in params.values()):
     raise NotImplementedError(
       f"autocast does not support the primitive {name!r} (it holds a jaxpr that "
@@ -186,6 +190,13 @@ def _eval_eqn(eqn, invals, walk: Walk, float32: dict, moved: set):
     dtypes = dict.fromkeys(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
     _note(eqn, flags, None, "/".join(dtypes), eqn.outvars[0].aval.dtype, walk)
   return _first_order(eqn, invals, walk.rules)
+
+
+def _combines(name: str) -> bool:
+  """Whether primitive ``name`` holds a jaxpr that combines two scalars of
+  its operands' dtype (scatter-add's ``update_jaxpr``, ``lax.reduce``'s and
+  ``lax.reduce_window``'s computation), not a body to rewrite."""
+  return name.startswith("scatter") or name in ("reduce", "reduce_window")
 
 
 def _custom_call(eqn, invals, walk: Walk, outs_float32: list[bool], flags):
