@@ -315,3 +315,39 @@ def test_the_errors_say_what_to_do():
     ols.get_master_weights(optax.sgd(1.0).init({"w": jnp.ones(2)}), {"w": jnp.ones(2)})
   with pytest.raises(ValueError, match="`inner` must be an optax"):
     ols.master_weights("adam")
+
+
+# (dtype, store, the parameter's start, steps taking its master past the
+# dtype's largest value and back): the parameter overflows to inf, then its
+# master comes back. No update takes a parameter back from inf (inf + u is
+# inf or NaN); it was given new - inf, and became NaN (with "remainder",
+# the master too).
+PAST_THE_LARGEST = {
+  "float16, float32 copy": (jnp.float16, "float32", 65400.0, [-200.0, -200.0, 1e3]),
+  "bfloat16, float32 copy": (jnp.bfloat16, "float32", 3.385e38, [-6e35, -6e35, 3e36]),
+  "bfloat16, remainder": (jnp.bfloat16, "remainder", 3.385e38, [-6e35, -6e35, 3e36]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", PAST_THE_LARGEST)
+def test_a_parameter_at_inf_stays_there_and_never_becomes_nan(case, jitted):
+  dtype, store, start, grads = PAST_THE_LARGEST[case]
+  tx = ols.master_weights(optax.sgd(1.0), store=store)
+  params = {"w": jnp.array([start], dtype)}
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jitted else tx.update
+  seen = []
+  for g in grads:
+    updates, state = update({"w": jnp.array([g], jnp.float32)}, state, params)
+    params = optax.apply_updates(params, updates)
+    seen.append(float(params["w"][0]))
+  master = float(ols.get_master_weights(state, params)["w"][0])
+  assert seen[1] == np.inf and seen[2] == np.inf  # never NaN
+  expected = np.float32(float(jnp.array(start, dtype)))
+  for g in grads:  # sgd(1.0) on the float32 master
+    expected = np.float32(expected - np.float32(g))
+  if store == "float32":  # the copy keeps the exact master, finite again
+    np.testing.assert_allclose(master, expected, rtol=1e-6)
+  else:  # the master is the parameter it could not leave
+    assert master == np.inf

@@ -283,8 +283,9 @@ def exact_update(new: jax.Array, param: jax.Array) -> jax.Array:
   the backend flushes float32 subnormals to zero (XLA's CPU backend), add
   bfloat16 weights below 2**-118, whose differences can be subnormal. A zero
   comes back as ``+0.0`` where ``new`` is ``-0.0`` (IEEE addition), and a
-  parameter that is ``±inf`` and stays so gets a zero update (``inf - inf``
-  would be NaN).
+  parameter that is ``±inf`` gets a zero update and stays so, whatever
+  ``new`` is: no update takes it back (``inf + u`` is ``inf`` or NaN), and
+  ``new - inf`` would make it NaN.
 
   Args:
     new: the rounded new parameter: float32 values the parameter's dtype
@@ -295,7 +296,7 @@ def exact_update(new: jax.Array, param: jax.Array) -> jax.Array:
     The float32 update.
   """
   new32, param32 = new.astype(_F32), param.astype(_F32)
-  return jnp.where(new32 == param32, 0.0, new32 - param32)
+  return jnp.where((new32 == param32) | jnp.isinf(param32), 0.0, new32 - param32)
 
 
 def split_remainder(master: jax.Array) -> tuple[jax.Array, jax.Array]:

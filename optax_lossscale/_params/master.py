@@ -211,7 +211,12 @@ def master_weights(
   weight at the value the parameter takes (it moves by less than that
   weight's own resolution), so that parameter and state always make the
   master; with ``"float32"`` the copy keeps the exact master and the
-  parameter is one unit of its dtype from it until the next step.
+  parameter is one unit of its dtype from it until the next step. A
+  parameter that overflows to ``±inf`` stays there with a zero update (no
+  update takes it back); the ``"float32"`` copy keeps the exact master, the
+  ``"remainder"`` master becomes ``±inf``. The ``"float32"`` copy is the
+  master: a change made to the parameters between steps is undone at the
+  next step.
 
   Put it directly inside the loss scale, around the whole optimizer:
   ``dynamic_loss_scale(master_weights(optax.adamw(...)))``. The loss scale
