@@ -13,6 +13,7 @@ rounded value. The transformations of ``low_precision`` are built on them.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -225,6 +226,16 @@ def round_to(x: Any, dtype: Any, bits: Any = None) -> jax.Array:
         f"`bits` must be a {want} array of x's shape {x.shape}, got "
         f"{bits.dtype}{list(bits.shape)}."
       )
+  return _rounder(dtype)(x, bits)
+
+
+@functools.cache
+def _rounder(dtype: Any) -> Any:
+  """:func:`round_to` for ``dtype``, differentiated as a cast."""
+  return _tree.differentiated_as_cast(functools.partial(_round_bits, dtype=dtype))
+
+
+def _round_bits(x: jax.Array, bits: Any, dtype: Any) -> jax.Array:
   raw = lax.bitcast_convert_type(x, _U32)
   sign, magnitude = raw & _SIGN, raw & _MAGNITUDE
   dropped = _dropped(magnitude, dtype)
@@ -299,6 +310,7 @@ def exact_update(new: jax.Array, param: jax.Array) -> jax.Array:
   return jnp.where((new32 == param32) | jnp.isinf(param32), 0.0, new32 - param32)
 
 
+@_tree.differentiated_as_cast
 def split_remainder(master: jax.Array) -> tuple[jax.Array, jax.Array]:
   """A float32 array as ``(bfloat16 parameter, int16 remainder)``, exactly.
 
@@ -323,6 +335,7 @@ def split_remainder(master: jax.Array) -> tuple[jax.Array, jax.Array]:
   return param, remainder.astype(jnp.int16)
 
 
+@_tree.differentiated_as_cast
 def join_remainder(param: jax.Array, remainder: jax.Array) -> jax.Array:
   """The float32 master weight of a bfloat16 ``param`` and its int16 ``remainder``."""
   high = lax.bitcast_convert_type(param, jnp.uint16).astype(_U32) << np.uint32(16)

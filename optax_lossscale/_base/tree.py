@@ -73,6 +73,32 @@ def wide_dtype(dtype: Any) -> Any:
   return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else dtype
 
 
+def differentiated_as_cast(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """``fun(x, *rest)``, a conversion of ``x`` computed on its bits (which
+  have no derivative: JAX would give a zero one, silently), differentiated
+  as the conversion it is: the tangent of ``x`` cast to the result's dtype,
+  as JAX differentiates ``astype`` (rounding is the identity to first
+  order). Where ``fun`` returns a tuple, its first element is the
+  conversion and the others (integers) carry no tangent; ``rest`` carries
+  none either.
+  """
+
+  @jax.custom_jvp
+  def converted(x, *rest):
+    return fun(x, *rest)
+
+  @converted.defjvp
+  def _jvp(primals, tangents):
+    out = converted(*primals)
+    t = tangents[0]
+    if not isinstance(out, tuple):
+      return out, t.astype(out.dtype)
+    zeros = [np.zeros(o.shape, jax.dtypes.float0) for o in out[1:]]
+    return out, (t.astype(out[0].dtype), *zeros)
+
+  return converted
+
+
 def widen(x: Any) -> jax.Array:
   """``x`` in :func:`wide_dtype`, exactly the values ``x`` holds.
 
@@ -84,11 +110,16 @@ def widen(x: Any) -> jax.Array:
   is the leaf's, however the program was fused or partitioned.
   """
   x = jnp.asarray(x)
+  if x.dtype in (jnp.bfloat16, jnp.float16):
+    return _widen_half(x)
+  return x.astype(wide_dtype(x.dtype))
+
+
+@differentiated_as_cast
+def _widen_half(x: jax.Array) -> jax.Array:
   if x.dtype == jnp.bfloat16:
     bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     return lax.bitcast_convert_type(bits << np.uint32(16), jnp.float32)
-  if x.dtype != jnp.float16:
-    return x.astype(wide_dtype(x.dtype))
   bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
   negative = (bits >> np.uint32(15)) == 1
   exponent = (bits >> np.uint32(10)) & np.uint32(0x1F)
