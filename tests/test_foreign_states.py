@@ -101,6 +101,28 @@ def test_get_master_weights_refuses_parameters_that_do_not_fit(case):
     ols.get_master_weights(state, params)
 
 
+# (the dtype kahan_summation's state was made for, the parameters' dtype):
+# a compensation kept for bfloat16 parameters was silently dropped once they
+# were float32 (promoted by an apply_updates that does not cast back).
+KAHAN_DTYPES = {
+  "bfloat16 state, float32 parameters": (BF16, F32),
+  "bfloat16 state, float16 parameters": (BF16, F16),
+  "float32 state, bfloat16 parameters": (F32, BF16),
+}
+
+
+@pytest.mark.parametrize("case", KAHAN_DTYPES)
+def test_kahan_summation_refuses_parameters_its_state_was_not_made_for(case):
+  made, used = KAHAN_DTYPES[case]
+  tx = ols.kahan_summation()
+  state, params = tx.init(_params(made)), _params(used)
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3, F32), params)
+  with pytest.raises(ValueError, match="kahan_summation: .*made for other parameters"):
+    tx.update(grads, state, params)
+  with pytest.raises(ValueError, match="made for other parameters"):
+    jax.jit(tx.update)(grads, state, params)
+
+
 def _sr_rbg():
   return ols.stochastic_rounding(jax.random.key(0, impl="rbg"))
 

@@ -319,10 +319,12 @@ def kahan_summation() -> optax.GradientTransformation:
     )
     new_updates, new_compensation = [], []
     for path, (u, p, c) in zip(paths, rows, strict=True):
-      if not is_half(p):
+      if not is_half(p) and c is None:
         new_updates.append(u)
         new_compensation.append(c)
         continue
+      # a compensation kept for a half-precision parameter of this dtype
+      # and shape, and for no other (parameters promoted to float32 since)
       if not (_tree.is_array(c) and c.dtype == p.dtype and c.shape == p.shape):
         raise ValueError(
           f"kahan_summation: the state's compensation at {path} is "
