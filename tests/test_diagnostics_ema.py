@@ -74,6 +74,26 @@ def test_check_skipped_steps_tells_a_broken_model_from_overflow():
   state = _run(tx, [jnp.inf] * 3 + [1.0], params)
   ols.check_skipped_steps(state, max_consecutive_skips=1)
 
+  # A fixed scale never backs off: the message does not say it will.
+  static = _run(ols.static_loss_scale(optax.sgd(0.1), 1024.0), [jnp.nan] * 5, params)
+  with pytest.raises(ols.NonFiniteStepsError, match="fixed scale .* never") as e:
+    ols.check_skipped_steps(static, max_consecutive_skips=4)
+  assert "The loss scale is 1024 and still backing off" not in str(e.value)
+  with pytest.raises(ols.NonFiniteStepsError, match="at its floor"):
+    ols.check_skipped_steps(static, max_consecutive_skips=4, min_scale=1024.0)
+
+
+def test_diagnostics_of_an_abstract_state_are_abstract():
+  """``jax.eval_shape``'s state, as get_scale takes it (a TypeError from
+  comparing a ShapeDtypeStruct)."""
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1))
+  abstract = jax.eval_shape(tx.init, _params())
+  d = ols.diagnostics(abstract)
+  assert d["last_step_skipped"] == jax.ShapeDtypeStruct((), jnp.bool_)
+  assert d["loss_scale"] == jax.ShapeDtypeStruct((), jnp.float32)
+  concrete = ols.diagnostics(tx.init(_params()))
+  assert set(d) == set(concrete)
+
 
 def test_check_skipped_steps_accepts_diagnostics_and_rejects_tracers():
   params = _params()

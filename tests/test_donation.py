@@ -98,3 +98,23 @@ def test_donated_step_runs(name, dtype):
   for _ in range(3):
     params, state = step(params, state, grads)
   assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
+@pytest.mark.sampled
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_an_eager_update_returns_a_state_of_its_own(name):
+  """No leaf of the new state is a buffer of the state given (a static scale's
+  counters were passed through): donating the new state in the next step
+  must leave the old one readable."""
+  tx = OPTIMIZERS[name]()
+  params = {"w": jnp.ones((4, 3)), "b": jnp.zeros((3,))}
+  state = tx.init(params)
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 2.0), params)
+  _, new = tx.update(grads, state, params)
+  given = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(state)}
+  shared = [
+    jax.tree_util.keystr(path)
+    for path, x in jax.tree_util.tree_flatten_with_path(new)[0]
+    if x.unsafe_buffer_pointer() in given
+  ]
+  assert not shared, shared

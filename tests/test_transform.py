@@ -567,6 +567,18 @@ def test_value_and_grad_has_aux_and_argnums():
   assert float(g) == 8.0
 
 
+@pytest.mark.parametrize(
+  "fun",
+  [lambda p: jnp.sum(p), lambda p: (jnp.sum(p),), lambda p: [jnp.sum(p), 1, 2]],
+  ids=["a scalar", "a 1-tuple", "a 3-list"],
+)
+def test_value_and_grad_has_aux_needs_a_pair(fun):
+  """Not an IndexError from inside (a scalar was indexed)."""
+  state = ols.dynamic_loss_scale(optax.sgd(0.1)).init(jnp.ones(2))
+  with pytest.raises(ValueError, match=r"must return a pair \(loss, auxiliary"):
+    ols.value_and_grad(fun, has_aux=True)(state, jnp.ones(2))
+
+
 def test_float16_underflow_is_rescued_by_the_scale():
   # A gradient of 1e-8 underflows to zero in float16 (the smallest subnormal
   # is 6e-8) but survives with a 2**15 scale.
@@ -618,6 +630,30 @@ def test_a_gradient_tree_that_is_a_prefix_of_the_parameters_is_refused():
     tx.update({"a": jnp.ones(2), "c": jnp.ones(1)}, state, params)
 
 
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: ols.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0),
+    lambda: ols.static_loss_scale(optax.sgd(1.0), 4.0),
+  ],
+  ids=["dynamic", "static"],
+)
+def test_a_python_number_parameter_takes_an_array_gradient(make, jitted):
+  """As optax does; with the parameters given it was refused as "one array
+  where the parameters have a subtree"."""
+  params = {"w": jnp.ones(2), "t": 2.0}
+  tx = make()
+  state = tx.init(params)
+  grads = {"w": jnp.full(2, 4.0), "t": jnp.float32(8.0)}
+  update = jax.jit(tx.update) if jitted else tx.update
+  for given in (None, params):
+    updates, _ = update(grads, state, given)
+    chex.assert_trees_all_close(updates, {"w": jnp.full(2, -1.0), "t": -2.0})
+  with pytest.raises(ValueError, match=r"\['t'\] has shape \(3,\) but the parameter"):
+    tx.update({"w": jnp.ones(2), "t": jnp.ones(3)}, state, params)
+
+
 def test_a_restored_scale_comes_into_the_configuration_at_its_first_update():
   params = {"w": jnp.ones(2)}
   grads = {"w": jnp.full(2, 1024.0)}  # gradients of the loss times 1024
@@ -634,6 +670,34 @@ def test_a_restored_scale_comes_into_the_configuration_at_its_first_update():
   low = saved._replace(loss_scale=jnp.asarray(0.5, jnp.float32))
   _, state = jax.jit(tx.update)(grads, low, params)
   assert float(ols.get_scale(state)) == 2.0
+
+
+# A state's scale that is no usable scale (a corrupted checkpoint, a
+# hand-made state), and where the first update puts it: into the
+# configuration's bounds; NaN, which a clamp keeps NaN (every later step
+# was skipped), from the initial scale.
+CORRUPTED_SCALES = {
+  "NaN": (float("nan"), 2.0**15),
+  "inf": (float("inf"), 2.0**24),
+  "zero": (0.0, 1.0),
+  "negative": (-1.0, 1.0),
+  "subnormal": (1e-40, 1.0),
+}
+
+
+@pytest.mark.parametrize("case", CORRUPTED_SCALES)
+def test_a_state_with_an_unusable_scale_recovers_at_its_first_update(case):
+  bad, expected = CORRUPTED_SCALES[case]
+  params = {"w": jnp.ones(3)}
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(params)._replace(loss_scale=jnp.float32(bad))
+  loss = lambda p: jnp.sum(p["w"] ** 2)  # noqa: E731
+  step = jax.jit(lambda s: tx.update(ols.value_and_grad(loss)(s, params)[1], s, params))
+  _, state = step(state)  # its gradients came from the unusable scale
+  assert float(ols.get_scale(state)) == expected
+  updates, state = step(state)
+  chex.assert_trees_all_close(updates, {"w": jnp.full(3, -0.2)})
+  assert int(state.skipped_steps) <= 1
 
 
 # Leaves that Flax overwrites with their new value (float8 meta), by their

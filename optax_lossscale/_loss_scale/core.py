@@ -271,6 +271,13 @@ def check(
 # --------------------------------------------------------------------------
 
 
+def _kept(x: Any) -> jax.Array:
+  """A counter that does not change, in a buffer of its own: a state an
+  eager update returns shares none with the one it was given (which a
+  donated step may delete)."""
+  return jnp.array(x, copy=True)
+
+
 def adjust(
   state: LossScaleState, finite: Any, config: LossScaleConfig
 ) -> tuple[LossScaleState, jax.Array]:
@@ -282,6 +289,7 @@ def adjust(
   Under ``config.bounds == "clamp"`` (the default) the new scale always
   lies in ``[min_scale, max_scale]``, and a fixed scale is the
   configuration's: a state restored from another configuration
+  (or one whose scale is NaN, which starts over from ``initial_scale``)
   comes into line at its first update (which still unscales with the
   state's scale, the one its gradients were computed with). That update is
   applied when :func:`check` finds it finite, which it does not where the
@@ -298,8 +306,8 @@ def adjust(
   finite = jnp.asarray(finite, jnp.bool_)
   s = state
   should_apply = finite if config.skip_nonfinite else jnp.array(True)
-  if config.noop:
-    return s, should_apply
+  if config.noop:  # new buffers, as every update makes (eagerly too)
+    return jax.tree.map(_kept, s), should_apply
   tensorflow = config.bounds in ("tensorflow", "keras")
   if config.dynamic:
     good = s.good_steps + 1
@@ -322,8 +330,12 @@ def adjust(
     scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, s.loss_scale))
     if not tensorflow:
       # Clamped every step, so that a state restored under other bounds
-      # comes into them at its first update.
+      # comes into them at its first update; a scale that is not a number
+      # (a corrupted or hand-made state: NaN is clamped to NaN) starts over
+      # from the initial scale.
       scale = jnp.clip(scale, config.min_scale, config.max_scale)
+      restart = min(max(config.initial_scale, config.min_scale), config.max_scale)
+      scale = jnp.where(jnp.isnan(scale), jnp.float32(restart), scale)
     scale = scale.astype(_F32)
     good_steps = jnp.where(finite & ~grow, good, 0).astype(_I32)
     hysteresis_left = jnp.where(
@@ -332,16 +344,16 @@ def adjust(
   elif tensorflow:
     # TensorFlow's fixed scale: the state's scale and counter stay.
     scale, good_steps, hysteresis_left = (
-      s.loss_scale,
-      s.good_steps,
-      s.hysteresis_left,
+      _kept(s.loss_scale),
+      _kept(s.good_steps),
+      _kept(s.hysteresis_left),
     )
   else:
     # A fixed scale is the configuration's, whatever the state held (one
     # restored from a run with another scale): from this update on.
     scale = jnp.full_like(s.loss_scale, config.initial_scale, _F32)
     good_steps = jnp.where(finite, optax.safe_increment(s.good_steps), 0)
-    hysteresis_left = s.hysteresis_left
+    hysteresis_left = _kept(s.hysteresis_left)
   skipped = jnp.logical_not(should_apply)
   new = s._replace(
     loss_scale=scale,

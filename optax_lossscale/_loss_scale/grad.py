@@ -45,6 +45,16 @@ def scaled_loss_fn(
 
   def scaled(*args, **kwargs):
     out = fun(*args, **kwargs)
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+      got = (
+        f"an array of shape {tuple(out.shape)}"
+        if hasattr(out, "shape")
+        else type(out).__name__
+      )
+      raise ValueError(
+        "value_and_grad(has_aux=True): the loss function must return a pair "
+        f"(loss, auxiliary output), got {got}."
+      )
     loss = out[0] if has_aux else out
     return _core.scale_value(loss, scale), out
 

@@ -106,5 +106,10 @@ def diagnostics(opt_state: Any) -> dict[str, jax.Array]:
   """
   c = counters(opt_state)
   out = {f: getattr(c, f) for f in _core.COUNTER_FIELDS}
-  out["last_step_skipped"] = c.consecutive_skips > 0
+  skips = c.consecutive_skips
+  out["last_step_skipped"] = (
+    jax.ShapeDtypeStruct(skips.shape, bool)  # of an abstract state
+    if isinstance(skips, jax.ShapeDtypeStruct)
+    else skips > 0
+  )
   return out

@@ -113,9 +113,13 @@ def check_skipped_steps(
     )
   else:
     cause = (
-      f"The loss scale is {scale:g} and still backing off: the gradients "
-      "overflow at every scale tried so far. If this persists down to "
-      "min_scale, the model itself produces NaN or inf."
+      f"The loss scale is {scale:g}, above min_scale={min_scale:g}. A "
+      "dynamic scale is still backing off: the gradients overflow at every "
+      "scale tried so far, and if this persists down to min_scale, the model "
+      "itself produces NaN or inf. A fixed scale (static_loss_scale) never "
+      "backs off: the gradients are not finite at this scale, which is too "
+      "large for them or the model produces NaN or inf (pass min_scale= the "
+      "fixed scale for the causes at a floor)."
     )
   bad_params = (
     [] if params is None else _guard.nonfinite_leaves(params, "check_skipped_steps")

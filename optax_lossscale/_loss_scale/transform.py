@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_lossscale._base import opt_state as _opt_state
@@ -57,16 +58,19 @@ def _validate_grads(grads: Any, params: Any) -> None:
     ) from None
 
   def check(path, g, p):
-    if _tree.is_array(g) and not _tree.is_array(p):
+    if not _tree.is_array(g):
+      return
+    # a Python number is a leaf of shape (), as optax takes it
+    if p is None or not jax.tree_util.treedef_is_leaf(jax.tree.structure(p)):
       raise ValueError(
         f"Gradient at {_tree.keystr(path)} is one array where the "
         f"parameters have a subtree ({jax.tree.structure(p)}): the gradient "
         "tree must have the parameters' structure."
       )
-    if _tree.is_array(g) and _tree.is_array(p) and g.shape != p.shape:
+    if g.shape != np.shape(p):
       raise ValueError(
         f"Gradient at {_tree.keystr(path)} has shape {g.shape} but "
-        f"the parameter has shape {p.shape}."
+        f"the parameter has shape {np.shape(p)}."
       )
 
   jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
