@@ -118,6 +118,31 @@ def test_unscale_half_goes_through_float32():
   assert float(out[0]) == 2.0**-24
 
 
+# A loss scale that is not one real number: a vector broadcast silently, a
+# string was read as a number, a state failed inside JAX.
+BAD_DIVISORS = {
+  "a vector": (jnp.ones(3), "one real number"),
+  "a 1-element vector": (jnp.ones((1,)), "one real number"),
+  "a string": ("8", "one real number"),
+  "a bool": (True, "one real number"),
+  "None": (None, "one real number"),
+  "a complex number": (jnp.complex64(8), "one real number"),
+  "the state": ("state", "pass the scale it holds"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DIVISORS)
+def test_unscale_takes_one_real_number(case):
+  g = {"w": jnp.ones(3)}
+  bad, match = BAD_DIVISORS[case]
+  if bad == "state":
+    bad = ols.dynamic_loss_scale(optax.sgd(1.0)).init(g)
+  with pytest.raises(ValueError, match=match):
+    ols.unscale(g, bad)
+  for good in (8, 8.0, jnp.int32(8), jnp.float16(8), np.float32(8)):
+    np.testing.assert_array_equal(ols.unscale(g, good)["w"], 0.125)
+
+
 # --- validation -------------------------------------------------------------
 
 BAD_DYNAMIC = [

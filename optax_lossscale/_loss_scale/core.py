@@ -20,10 +20,12 @@ here needs optax's transformations; the package-internal API is
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -109,7 +111,9 @@ def unscale(tree: Any, loss_scale: Any) -> Any:
   result does not depend on the compiler). Half-precision leaves are
   multiplied in float32 and cast back, so the tree's dtypes never change;
   integer, boolean and ``float0`` arrays pass through. A leaf that is not an
-  array (a Python number) is a ``ValueError`` naming it.
+  array (a Python number) is a ``ValueError`` naming it, and so is a
+  ``loss_scale`` that is not one real number (a vector, a string, the state
+  itself: pass ``get_scale(state)``).
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
@@ -117,7 +121,31 @@ def unscale(tree: Any, loss_scale: Any) -> Any:
     Array([1., 2.], dtype=float16)
   """
   _tree.array_leaves(tree)
+  _check_divisor(loss_scale)
   return unscale_tree(tree, loss_scale)
+
+
+def _check_divisor(loss_scale: Any) -> None:
+  """A ValueError unless ``loss_scale`` is one real number (a Python number,
+  or a 0-d integer or floating array, traced or not)."""
+  if isinstance(loss_scale, tuple) and hasattr(loss_scale, "_fields"):
+    raise ValueError(
+      f"`loss_scale` is a {type(loss_scale).__name__}: pass the scale it "
+      "holds, optax_lossscale.get_scale(state)."
+    )
+  real = isinstance(loss_scale, numbers.Real) or (
+    hasattr(loss_scale, "dtype")
+    and (
+      jnp.issubdtype(loss_scale.dtype, jnp.floating)
+      or jnp.issubdtype(loss_scale.dtype, jnp.integer)
+    )
+  )
+  if isinstance(loss_scale, bool) or not real or np.ndim(loss_scale) != 0:
+    shape = getattr(loss_scale, "shape", None)
+    raise ValueError(
+      "`loss_scale` must be one real number (a scalar), got "
+      f"{type(loss_scale).__name__}{'' if shape is None else list(shape)}."
+    )
 
 
 def unscale_tree(
