@@ -201,8 +201,10 @@ def test_both_names_of_one_argument_is_an_error_whatever_the_values(kwargs):
   tf_name = next(
     k for k in kwargs if k in ("initial_loss_scale", "increment_period", "multiplier")
   )
-  with pytest.raises(ValueError, match=f"not both.*{tf_name}"):
+  (ours,) = set(kwargs) - {tf_name}
+  with pytest.raises(ValueError, match=f"not both.*{tf_name}") as e:
     ols.porting.DynamicLossScale(**kwargs)
+  assert f"`{ours}`" in str(e.value)  # both spellings named, each once
 
 
 @pytest.mark.parametrize(

@@ -306,8 +306,8 @@ class DynamicLossScale(LossScale):
     defaults = {
       k: type(v).__base__(v) for k, v in ours.items() if not _tf_names.given(v)
     }
-    with _tf_names.as_given(tf):
-      kwargs = {**defaults, **_tf_names.resolve_tf_names(given, tf)}
+    kwargs = {**defaults, **_tf_names.resolve_tf_names(given, tf)}
+    with _tf_names.as_given(tf):  # (resolve_tf_names names both spellings)
       clamps = {
         "min_scale": min_scale,
         "max_scale": max_scale,
