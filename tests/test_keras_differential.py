@@ -113,3 +113,108 @@ def test_matches_keras_loss_scale_optimizer(growth, initial_scale, lr, steps, se
     assert int(state.good_steps) == k_counter, step
     for ours, theirs in zip(params, k_params, strict=True):
       np.testing.assert_array_equal(np.asarray(ours), theirs, err_msg=str(step))
+
+
+# --------------------------------------------------------------------------
+# Keras' formulas on half-precision variables, against Keras 3 itself: its
+# ops.divide makes the unscaled gradients float32, which clipping sees and
+# the formula casts to the variable's dtype; its average's two weights are
+# in the variable's dtype. (Kept half, a float16 norm overflowed at 256:
+# clipnorm froze the weights, global_clipnorm made them NaN.)
+# --------------------------------------------------------------------------
+
+HALF_BASES = {
+  "clipnorm": {"clipnorm": 1.0},
+  "global_clipnorm": {"global_clipnorm": 1.0},
+  "clipvalue": {"clipvalue": 50.0},
+  "EMA, overwrite": {"use_ema": True, "ema_overwrite_frequency": 3},
+  "weight decay, momentum": {"weight_decay": 0.01, "momentum": 0.9},
+}
+
+
+def _keras_formula_runs(base, dtype, grads_seq, init):
+  hyper = {"learning_rate": 0.1, "momentum": base.get("momentum", 0.0)}
+  kbase = {k: v for k, v in base.items() if k != "momentum"}
+  variables = [keras.Variable(np.asarray(init), dtype=dtype)]
+  theirs = keras.optimizers.LossScaleOptimizer(
+    keras.optimizers.SGD(**hyper, **kbase), initial_scale=2.0, dynamic_growth_steps=2
+  )
+  theirs.build(variables)
+  apply = jax.jit(theirs.stateless_apply)
+  opt_vars, train = [v.value for v in theirs.variables], [v.value for v in variables]
+  ours = ols.porting.LossScaleOptimizer(
+    {"class_name": "SGD", "config": {**hyper, **kbase}},
+    initial_scale=2.0,
+    dynamic_growth_steps=2,
+  )
+  params = [jnp.asarray(init, dtype)]
+  state = ours.init(params)
+  update = jax.jit(ours.update)
+  for step, grads in enumerate(grads_seq):
+    g = [jnp.asarray(grads, dtype)]
+    train, opt_vars = apply(opt_vars, g, train)
+    updates, state = update(g, state, params)
+    params = optax.apply_updates(params, updates)
+    assert params[0].dtype == train[0].dtype == jnp.dtype(dtype)
+    np.testing.assert_array_equal(
+      np.asarray(params[0], np.float32), np.asarray(train[0], np.float32), str(step)
+    )
+  return params, train
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("base", HALF_BASES)
+def test_keras_formulas_on_half_variables_step_by_step(base, dtype):
+  rng = np.random.default_rng(0)
+  init = rng.normal(size=(6,)).astype(np.float32)
+  # scaled gradients: unscaled norms of about 300 to 1000 (squares past
+  # float16's largest), a non-finite step, small ones
+  seq = [rng.normal(size=(6,)) * s for s in (600, 1500, 900, 1.0, 0.5, 800)]
+  seq.insert(3, np.array([np.inf, 0, 0, 0, 0, 0]))
+  params, _ = _keras_formula_runs(HALF_BASES[base], dtype, seq, init)
+  assert np.all(np.isfinite(np.asarray(params[0], np.float32)))
+
+
+def test_float16_accumulation_takes_its_mean_in_float32():
+  """Keras 3's ``(g + acc) / steps`` has the float32 unscaled gradient: a
+  window of two 40000s averages to 40000, not float16's inf (which was
+  applied after a finite check). Keras 3.15 on JAX cannot run accumulation
+  on float16 variables itself (a lax.cond whose branches differ in dtype)."""
+  opt = ols.porting.LossScaleOptimizer(
+    {"class_name": "SGD", "config": {"learning_rate": 1e-4}},
+    initial_scale=1.0,
+    gradient_accumulation_steps=2,
+  )
+  params = {"w": jnp.ones(2, jnp.float16)}
+  state = opt.init(params)
+  for _ in range(2):
+    updates, state = jax.jit(opt.update)(
+      {"w": jnp.array([40000.0, 0.0], jnp.float16)}, state, params
+    )
+    params = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(params["w"], np.array([-3.0, 1.0], np.float16))
+  assert state.inner_state.accumulators["w"].dtype == jnp.float16
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_get_unscaled_gradients_then_apply_gradients_is_update(dtype):
+  """tf_keras' two-call idiom gives Keras 3's numbers too: the unscaled half
+  gradients stay float32, as update keeps them (clipnorm sees them so)."""
+  opt = ols.porting.LossScaleOptimizer(
+    {"class_name": "SGD", "config": {"learning_rate": 0.1, "clipnorm": 1.0}},
+    initial_scale=2.0,
+  )
+  params = [jnp.asarray([1.0, -1.0, 0.5], dtype)]
+  state = opt.init(params)
+  grads = [jnp.asarray([600.0, 0.0, -300.0], dtype)]  # a float16 norm overflows
+  unscaled = opt.get_unscaled_gradients(grads, state)
+  assert unscaled.tree[0].dtype == jnp.float32
+  applied, _ = opt.apply_gradients(unscaled, state, params)
+  updates, _ = opt.update(grads, state, params)
+  np.testing.assert_array_equal(
+    np.asarray(applied[0], np.float32),
+    np.asarray(optax.apply_updates(params, updates)[0], np.float32),
+  )
+  # clipped to norm 1 in float32: the weights move by 0.1 at most
+  moved = np.asarray(applied[0], np.float32) - np.asarray(params[0], np.float32)
+  assert np.all(np.isfinite(moved)) and 0.05 < np.linalg.norm(moved) <= 0.1001

@@ -538,7 +538,9 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   def get_unscaled_gradients(self, grads: Any, state: Any = None) -> Any:
     """Gradients of :meth:`scale_loss`'s loss divided back, marked unscaled.
 
-    Multiplied by the scale's float32 reciprocal, as TensorFlow does. The
+    Multiplied by the scale's float32 reciprocal, as TensorFlow does
+    (Keras 3's formulas, ``legacy_keras=False``: divided, as Keras 3's
+    ``ops.divide``, a half gradient kept in float32). The
     result is a :class:`UnscaledGradients` (index it as the tree, or read
     ``.tree``): :meth:`apply_gradients` takes it; ``update`` takes it as
     unscaled (by name) or refuses it (optax transformation), never dividing
@@ -554,6 +556,10 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     )
     grads, _ = _tf_step.unwrap(grads)
     _tree.array_leaves(grads)
+    if self._keras is not None:  # Keras' formulas: as their update unscales
+      return _tf_step.UnscaledGradients(
+        self._keras.unscale(grads, _search.get_scale(state))
+      )
     return _tf_step.UnscaledGradients(
       _core.unscale_tree(
         grads,

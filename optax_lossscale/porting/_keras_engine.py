@@ -153,6 +153,21 @@ def _update(spec, base, grads, params, slots, lr, iterations):
   return new_params, new_slots
 
 
+def _wider(g: Any, p: Any) -> Any:
+  """The dtype Keras 3's unscaled gradient ``g`` has for variable ``p``."""
+  if not (_tree.is_float_array(g) and _tree.is_float_array(p)):
+    return p.dtype if _tree.is_float_array(p) else jnp.asarray(g).dtype
+  return jnp.promote_types(g.dtype, p.dtype)
+
+
+def _keras3_average(a: jax.Array, p: jax.Array, iters: Any, momentum: float) -> Any:
+  """Keras 3's moving average: ``m = cast(iterations != 0, dtype) *
+  ema_momentum`` and ``1 - m``, both in the variable's dtype (their sum is
+  1 there, as in Keras)."""
+  m = (iters != 0).astype(a.dtype) * jnp.asarray(momentum, a.dtype)
+  return m * a + (1 - m) * p
+
+
 def step(
   spec: OptimizerSpec,
   base: BaseArgs,
@@ -163,7 +178,12 @@ def step(
   """An applied step on unscaled ``grads``: ``(new params, new state)``."""
   leaves, treedef = jax.tree.flatten(params)
   g = treedef.flatten_up_to(grads)
-  g = [jnp.asarray(x).astype(p.dtype) for x, p in zip(g, leaves, strict=True)]
+  # tf_keras' gradients are in the variables' dtypes; Keras 3's stay as
+  # unscaled (float32 for half variables) until the formula casts them.
+  g = [
+    jnp.asarray(x).astype(p.dtype if spec.legacy else _wider(x, p))
+    for x, p in zip(g, leaves, strict=True)
+  ]
   slots = {k: treedef.flatten_up_to(v) for k, v in state.slots.items()}
   it = state.iterations
   gas = base.gradient_accumulation_steps
@@ -183,8 +203,8 @@ def step(
       k: [jnp.where(is_update, n, o) for n, o in zip(v, slots[k], strict=True)]
       for k, v in new_slots.items()
     }
-    acc = [
-      jnp.where(is_update, jnp.zeros_like(a), x + a)
+    acc = [  # assigned to the accumulator: in its (the variable's) dtype
+      jnp.where(is_update, jnp.zeros_like(a), (x + a).astype(a.dtype))
       for x, a in zip(g, acc, strict=True)
     ]
   else:
@@ -194,15 +214,19 @@ def step(
     ema = treedef.flatten_up_to(state.ema)
     if spec.legacy:  # ema_momentum * average + (1 - ema_momentum) * var
       m, one_minus = _c(base.ema_momentum), _c(1 - base.ema_momentum)
-    else:  # the momentum is 0 while iterations is 0
-      m = (iters != 0).astype(_F32) * _c(base.ema_momentum)
-      one_minus = 1 - m
-    ema = [
-      m.astype(a.dtype) * a + one_minus.astype(a.dtype) * p
-      if _tree.is_float_array(p)
-      else a
-      for a, p in zip(ema, new_p, strict=True)
-    ]
+      ema = [
+        m.astype(a.dtype) * a + one_minus.astype(a.dtype) * p
+        if _tree.is_float_array(p)
+        else a
+        for a, p in zip(ema, new_p, strict=True)
+      ]
+    else:  # cast(iterations != 0, dtype) * ema_momentum, 1 - it: in the dtype
+      ema = [
+        _keras3_average(a, p, iters, base.ema_momentum)
+        if _tree.is_float_array(p)
+        else a
+        for a, p in zip(ema, new_p, strict=True)
+      ]
     if base.ema_overwrite_frequency:
       overwrite = (iters + 1) % base.ema_overwrite_frequency == 0
       new_p = [jnp.where(overwrite, a, p) for a, p in zip(ema, new_p, strict=True)]

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_lossscale._base import rounding as _rounding
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale import finite as _finite
@@ -76,8 +77,23 @@ def unwrap(grads: Any) -> tuple[Any, bool]:
 
 
 def _divide(g: jax.Array, by: Any) -> jax.Array:
+  """Keras 3's ``ops.divide(g, scale)``: in at least float32, and kept so
+  (a half gradient divided by the float32 scale is float32)."""
   wide = _tree.wide_dtype(g.dtype)
-  return (_tree.widen(g) / jnp.asarray(by, jnp.float32).astype(wide)).astype(g.dtype)
+  return _tree.widen(g) / jnp.asarray(by, jnp.float32).astype(wide)
+
+
+def _difference(new: Any, p: Any) -> Any:
+  if _rounding.is_half(p):
+    return _rounding.exact_update(new, p)
+  return new - p
+
+
+def _as_variable(g: Any, p: Any) -> Any:
+  """Gradient ``g`` in its variable ``p``'s dtype, where both are floating."""
+  if _tree.is_float_array(g) and _tree.is_float_array(p):
+    return g.astype(p.dtype)
+  return g
 
 
 class KerasLossScale:
@@ -109,17 +125,22 @@ class KerasLossScale:
   def unscale(self, grads: Any, scale: jax.Array) -> Any:
     """Keras 3 divides by the scale; tf_keras multiplies by its reciprocal.
 
-    In at least float32 (Keras' ``ops.divide`` promotes a half gradient by a
-    float32 scale), back in the gradient's dtype, so that the check sees
-    what the formula, which casts to the variable's dtype, applies.
+    Keras 3's ``ops.divide`` promotes a half gradient by the float32 scale:
+    the gradient stays float32 through clipping and accumulation, and the
+    formula casts it to the variable's dtype (as Keras' ``update_step``).
+    tf_keras casts the reciprocal to the gradient's dtype: it stays there.
     """
     _tree.array_leaves(grads)
     if self.spec.legacy:
       out = _core.unscale_tree(grads, scale)
     else:
-      out = jax.tree.map(lambda g: _divide(g, scale), grads)
+      out = jax.tree.map(
+        lambda g: _divide(g, scale) if _tree.is_float_array(g) else g, grads
+      )
     if self.factor is not None:
-      out = jax.tree.map(lambda g: _divide(g, self.factor), out)
+      out = jax.tree.map(
+        lambda g: _divide(g, self.factor) if _tree.is_float_array(g) else g, out
+      )
     return out
 
   def step(
@@ -150,8 +171,12 @@ class KerasLossScale:
     # The unscaled gradients decide, as tf_keras checks them: with a scale
     # below 1, what overflows when unscaled is not applied (Keras 3 checks
     # the scaled ones and applies the overflow).
+    # In the variables' dtypes, as the formula casts them: a Keras 3
+    # gradient kept in float32 that a float16 variable cannot hold is not
+    # applied, as before it was kept (tf_keras' check).
+    checked = jax.tree.map(_as_variable, tree, params)
     finite = _core.reduce_flag(
-      _finite.leaves_finite(jax.tree.leaves(tree)), self.axis_name
+      _finite.leaves_finite(jax.tree.leaves(checked)), self.axis_name
     )
     new_state, apply = _core.adjust(state, finite, self.config)
     inner = state.inner_state
@@ -164,8 +189,11 @@ class KerasLossScale:
     return new_params, new_state._replace(inner_state=new_inner)
 
   def update(self, grads, state, params=None, **extra_args):
-    """optax's ``update``: the updates ``new_params - params``."""
+    """optax's ``update``: the updates ``new_params - params``, which
+    ``optax.apply_updates`` turns into exactly ``new_params`` (for a half
+    parameter, the float32 difference of :func:`_rounding.exact_update`:
+    one rounded in the parameter's dtype may not land there)."""
     del extra_args
     new_params, new_state = self.step(grads, state, params)
-    updates = jax.tree.map(lambda n, p: n - p, new_params, params)
+    updates = jax.tree.map(_difference, new_params, params)
     return updates, new_state
