@@ -1265,3 +1265,46 @@ def test_a_callable_loss_gives_a_callable():
   opt = P.LossScaleOptimizer("sgd", 8.0)
   state = opt.init({"w": jnp.ones(1)})
   assert float(opt.get_scaled_loss(loss, state)(jnp.float32(2.0))) == 48.0
+
+
+def _sgd_by_name():
+  return P.LossScaleOptimizer({"class_name": "SGD", "config": {"learning_rate": 0.1}})
+
+
+def _sgd_optax():
+  return P.LossScaleOptimizer(optax.inject_hyperparams(optax.sgd)(0.1))
+
+
+# A learning rate set in the state is one number: a vector became a rate per
+# element, a callable failed with a TypeError from inside.
+@pytest.mark.parametrize("make", [_sgd_by_name, _sgd_optax], ids=["keras", "optax"])
+@pytest.mark.parametrize(
+  "rate",
+  [jnp.array([0.1, 5.0]), lambda step: 0.1, "0.1", True, None],
+  ids=["a vector", "a schedule", "a string", "a bool", "None"],
+)
+def test_set_learning_rate_takes_one_number(make, rate):
+  opt = make()
+  state = opt.init({"w": jnp.ones(2)})
+  with pytest.raises(ValueError, match="one real number"):
+    opt.set_learning_rate(state, rate)
+  state = jax.jit(opt.set_learning_rate)(state, 0.05)  # traced: taken
+  assert float(opt.learning_rate(state)) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+  "config, match",
+  [
+    ({"class_name": "SGD", "config": {"learning_rate": lambda: 0.05}},
+     "does not take it"),
+    ({"class_name": "AdamW", "config": {"weight_decay": None}},
+     "AdamW's `weight_decay` must be a float"),
+  ],
+  ids=["a zero-argument learning rate", "AdamW's weight_decay None"],
+)  # fmt: skip
+def test_keras_configs_keras_refuses_or_we_cannot_run(config, match):
+  """Refused when made, with the argument named (a zero-argument callable,
+  which Keras takes, failed inside init with a TypeError; AdamW's None,
+  which Keras refuses, became 0.004)."""
+  with pytest.raises(ValueError, match=match):
+    P.LossScaleOptimizer(config)

@@ -13,6 +13,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
   "choice",
   "float_in",
   "int_in",
+  "is_real_scalar",
   "optional_int_at_least",
   "optional_positive",
 ]
@@ -136,3 +138,15 @@ def choice(name: str, value: Any, options: tuple[str, ...]) -> str:
       f"`{name}` must be one of {', '.join(repr(o) for o in options)}; got {value!r}."
     )
   return value
+
+
+def is_real_scalar(x: Any) -> bool:
+  """Whether ``x`` is one real number: a Python int or float (not a bool),
+  or a 0-d integer or floating array, concrete or traced."""
+  if isinstance(x, bool):
+    return False
+  real = isinstance(x, (int, float)) or (
+    hasattr(x, "dtype")
+    and (jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.integer))
+  )
+  return real and np.ndim(x) == 0

@@ -20,16 +20,15 @@ here needs optax's transformations; the package-internal API is
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from optax_lossscale._base import tree as _tree
+from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import finite as _finite
 from optax_lossscale._loss_scale.config import LossScaleConfig
 
@@ -133,14 +132,7 @@ def _check_divisor(loss_scale: Any) -> None:
       f"`loss_scale` is a {type(loss_scale).__name__}: pass the scale it "
       "holds, optax_lossscale.get_scale(state)."
     )
-  real = isinstance(loss_scale, numbers.Real) or (
-    hasattr(loss_scale, "dtype")
-    and (
-      jnp.issubdtype(loss_scale.dtype, jnp.floating)
-      or jnp.issubdtype(loss_scale.dtype, jnp.integer)
-    )
-  )
-  if isinstance(loss_scale, bool) or not real or np.ndim(loss_scale) != 0:
+  if not _validate.is_real_scalar(loss_scale):
     shape = getattr(loss_scale, "shape", None)
     raise ValueError(
       "`loss_scale` must be one real number (a scalar), got "

@@ -499,6 +499,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     """``state`` with the learning rate replaced (a number, not a schedule)."""
     if self._keras is None:
       return _optimizers.set_learning_rate(state, learning_rate)
+    _optimizers.check_rate(learning_rate)
     if callable(self._keras.spec["learning_rate"]):
       raise ValueError(
         "This optimizer's learning rate is a schedule: it cannot be set."

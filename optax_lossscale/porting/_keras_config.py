@@ -172,6 +172,9 @@ def inner_parts(inner: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
         f"({v.get('class_name', v)!r}) cannot be read; pass the schedule "
         "itself, a callable of the iteration count, as `learning_rate`."
       )
+    if k == "weight_decay" and v is None and inner["class_name"].lower() == "adamw":
+      # AdamW's default is its own 0.004, not the base's None
+      raise ValueError("AdamW's `weight_decay` must be a float, got None.")
     if k in BASE_DEFAULTS:
       if v != BASE_DEFAULTS[k]:
         base[k] = v

@@ -14,8 +14,9 @@ are its state and its step for one parameter.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -117,7 +118,7 @@ def spec(name: str, config: Mapping[str, Any], *, legacy: bool) -> OptimizerSpec
       if not isinstance(v, bool):
         raise ValueError(f"`{k}` must be a bool, got {v!r}.")
     elif k == "learning_rate" and callable(v):
-      pass  # a schedule of the iteration count
+      _check_schedule(v)  # a schedule of the iteration count
     elif k in ("beta_1", "beta_2", "rho") or (key == "sgd" and k == "momentum"):
       # SGD's momentum too: Keras 3 and tf_keras refuse one outside [0, 1]
       hyper[k] = _validate.float_in(k, v, 0.0, 1.0)
@@ -126,6 +127,24 @@ def spec(name: str, config: Mapping[str, Any], *, legacy: bool) -> OptimizerSpec
   if key == "adamw":
     hyper.pop("weight_decay")  # the base optimizer's decay: the caller's
   return OptimizerSpec(key, tuple(sorted(hyper.items())), bool(legacy))
+
+
+def _check_schedule(schedule: Callable[..., Any]) -> None:
+  """A ValueError unless ``schedule`` takes the iteration count (Keras'
+  ``LearningRateSchedule`` does; a zero-argument callable, which Keras also
+  takes, would fail inside ``init``)."""
+  try:
+    signature = inspect.signature(schedule)
+  except (TypeError, ValueError):  # a builtin without one: taken as it is
+    return
+  try:
+    signature.bind(0)
+  except TypeError:
+    raise ValueError(
+      f"`learning_rate` {schedule!r}: a callable learning rate is a schedule, "
+      "called with the iteration count; this one does not take it (a "
+      "zero-argument callable: pass its value, or lambda step: ...)."
+    ) from None
 
 
 def _c(x: Any, dtype: Any = _F32) -> jax.Array:

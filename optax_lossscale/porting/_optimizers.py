@@ -25,6 +25,7 @@ from optax_lossscale.porting import _keras_config
 
 __all__ = [
   "argument_names",
+  "check_rate",
   "clip_each_by_norm",
   "decoupled_weight_decay",
   "get_learning_rate",
@@ -184,6 +185,7 @@ def set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
   A rate that ``inject_hyperparams`` computes from a schedule is recomputed
   on the next step; set rates given as numbers.
   """
+  check_rate(learning_rate)
   node = _learning_rate_node(opt_state)
   old = node.hyperparams["learning_rate"]
   new_node = node._replace(
@@ -197,6 +199,20 @@ def set_learning_rate(opt_state: Any, learning_rate: Any) -> Any:
     opt_state,
     is_leaf=lambda x: x is node,
   )
+
+
+def check_rate(learning_rate: Any) -> None:
+  """A ValueError unless ``learning_rate`` is one real number (a Python
+  number or a 0-d array, traced or not): a vector would become a rate per
+  element, a callable (a schedule) cannot replace a number in the state."""
+  if not _validate.is_real_scalar(learning_rate):
+    shape = getattr(learning_rate, "shape", None)
+    kind = "a schedule" if callable(learning_rate) else type(learning_rate).__name__
+    raise ValueError(
+      "set_learning_rate takes one real number (a scalar), got "
+      f"{kind}{'' if shape is None else list(shape)}: a schedule is given "
+      "when the optimizer is made, not set in its state."
+    )
 
 
 def decoupled_weight_decay(
