@@ -218,3 +218,45 @@ def test_get_unscaled_gradients_then_apply_gradients_is_update(dtype):
   # clipped to norm 1 in float32: the weights move by 0.1 at most
   moved = np.asarray(applied[0], np.float32) - np.asarray(params[0], np.float32)
   assert np.all(np.isfinite(moved)) and 0.05 < np.linalg.norm(moved) <= 0.1001
+
+
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_learning_rate_is_keras_learning_rate_after_every_step(accumulation):
+  """A schedule's value at Keras' ``_iterations``: the rate the next step
+  uses (it was the last step's, one step behind Keras')."""
+  sched = keras.optimizers.schedules.ExponentialDecay(
+    0.1, decay_steps=1, decay_rate=0.5
+  )
+  base = {"gradient_accumulation_steps": accumulation} if accumulation else {}
+  variables = [keras.Variable(np.ones(2))]
+  theirs = keras.optimizers.LossScaleOptimizer(
+    keras.optimizers.SGD(sched, **base), initial_scale=1.0
+  )
+  theirs.build(variables)
+  opt_vars, train = [v.value for v in theirs.variables], [v.value for v in variables]
+  ours = ols.porting.LossScaleOptimizer(
+    {"class_name": "SGD", "config": {"learning_rate": sched, **base}},
+    initial_scale=1.0,
+  )
+  params = [jnp.ones(2)]
+  state = ours.init(params)
+  for _ in range(5):
+    assert float(ours.learning_rate(state)) == float(
+      theirs.inner_optimizer._learning_rate(opt_vars_iterations(theirs, opt_vars))
+    )
+    train, opt_vars = theirs.stateless_apply(opt_vars, [jnp.ones(2)], train)
+    updates, state = ours.update([jnp.ones(2)], state, params)
+    params = optax.apply_updates(params, updates)
+  for v, x in zip(theirs.variables, opt_vars, strict=True):
+    v.assign(x)
+  assert float(ours.learning_rate(state)) == float(theirs.learning_rate)
+
+
+def opt_vars_iterations(opt, opt_vars):
+  """The inner optimizer's ``_iterations`` among a stateless run's variables."""
+  (it,) = [
+    x
+    for v, x in zip(opt.variables, opt_vars, strict=True)
+    if v is opt.inner_optimizer._iterations
+  ]
+  return it

@@ -30,6 +30,7 @@ from optax_lossscale._loss_scale import search as _search
 from optax_lossscale.porting import (
   _ema,
   _keras_config,
+  _keras_engine,
   _keras_math,
   _keras_optax,
   _optimizers,
@@ -488,10 +489,14 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     return it // gas if gas else it
 
   def learning_rate(self, state: Any) -> jax.Array:
-    """The learning rate of the last step (before any: of the first)."""
+    """The learning rate the next step uses, as Keras'
+    ``optimizer.learning_rate``: a schedule's value at ``iterations``, or
+    the rate the state holds (an optax inner optimizer: its injected rate,
+    that of the last step)."""
     if self._keras is None:
       return _optimizers.get_learning_rate(state)
-    return self._keras_state(state, "learning_rate").learning_rate
+    inner = self._keras_state(state, "learning_rate")
+    return _keras_engine.learning_rate(self._keras.spec, inner)
 
   lr = learning_rate
 

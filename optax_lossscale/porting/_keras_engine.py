@@ -31,7 +31,14 @@ from optax_lossscale._base import tree as _tree
 from optax_lossscale.porting import _keras_math
 from optax_lossscale.porting._keras_math import OptimizerSpec
 
-__all__ = ["BaseArgs", "KerasOptimizerState", "init", "skipped", "step"]
+__all__ = [
+  "BaseArgs",
+  "KerasOptimizerState",
+  "init",
+  "learning_rate",
+  "skipped",
+  "step",
+]
 
 _F32 = jnp.float32
 _I32 = jnp.int32
@@ -82,6 +89,11 @@ def _learning_rate(spec: OptimizerSpec, iterations: jax.Array, held=None) -> jax
   if callable(lr):
     return _c(lr(iterations))
   return _c(lr) if held is None else held
+
+
+def learning_rate(spec: OptimizerSpec, state: KerasOptimizerState) -> jax.Array:
+  """The rate the next step uses (Keras' ``optimizer.learning_rate``)."""
+  return _learning_rate(spec, state.iterations, state.learning_rate)
 
 
 def init(spec: OptimizerSpec, base: BaseArgs, params: Any) -> KerasOptimizerState:
