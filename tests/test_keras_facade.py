@@ -1068,6 +1068,18 @@ def test_a_scale_above_2_126_is_refused(entry, value):
   ABOVE_2_126[entry](2.0**126)  # the ceiling itself is taken
 
 
+# Below 2**-126 (subnormal) the reciprocal overflows: a fixed scale applied
+# inf every step. StaticLossScale refused it, LossScaleOptimizer took it.
+BELOW_2_M126 = [k for k in ABOVE_2_126 if "DynamicLossScale" not in k]
+
+
+@pytest.mark.parametrize("entry", BELOW_2_M126)
+def test_a_subnormal_scale_is_refused(entry):
+  with pytest.raises(ValueError, match="2\\*\\*-126"):
+    ABOVE_2_126[entry](1e-39)
+  ABOVE_2_126[entry](2.0**-126)  # the floor itself is taken
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["keras 3", "tf_keras"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
 def test_growth_stops_at_2_126_and_updates_stay_right(legacy, jitted):

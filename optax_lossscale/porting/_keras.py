@@ -275,7 +275,7 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
   halved on a non-finite step,
   which is skipped, with no floor, as Keras 3 (tf_keras' ``max(scale / 2,
   1)`` with ``legacy_keras=True``; a floor of one's choosing with
-  ``min_scale``); a positive initial scale up to ``2**126`` is accepted. The
+  ``min_scale``); an initial scale in ``[2**-126, 2**126]`` is accepted. The
   unscaled gradients are checked (tf_keras' check; Keras 3 checks the
   scaled ones, which differs only below scale 1).
 
