@@ -326,8 +326,10 @@ def adjust(
   finite = jnp.asarray(finite, jnp.bool_)
   s = state
   should_apply = finite if config.skip_nonfinite else jnp.array(True)
-  if config.noop:  # new buffers, as every update makes (eagerly too)
-    return jax.tree.map(_kept, s), should_apply
+  if config.noop:  # new buffers for the counters, as every update makes
+    return s._replace(**{f: _kept(getattr(s, f)) for f in COUNTER_FIELDS}), (
+      should_apply
+    )
   tensorflow = config.bounds in ("tensorflow", "keras")
   if config.dynamic:
     good = s.good_steps + 1
