@@ -323,3 +323,45 @@ def test_primitives_that_combine_scalars_run_as_written(case, dtype):
     np.testing.assert_allclose(
       grad, jax.grad(lambda w: fun(w, x).sum())(w), rtol=tol, atol=tol * 10
     )
+
+
+# jax.grad, jax.vmap and jax.jit copy an autocast function's attributes
+# (functools.wraps): list_matmuls listed the inner function instead (no
+# backward matmuls under grad, the batched shapes under vmap).
+@pytest.mark.parametrize(
+  "transform",
+  [
+    lambda g: jax.grad(g, (0, 1)),
+    lambda g: jax.vmap(g, (0, None)),
+    lambda g: jax.jit(g),
+  ],
+  ids=["grad", "vmap", "jit"],
+)
+def test_list_matmuls_refuses_a_transformed_autocast_function(transform):
+  g = ols.autocast(lambda v, w: jnp.tanh(v @ w).sum(), compute_dtype=jnp.bfloat16)
+  x, w = jnp.ones((6, 32)), jnp.ones((32, 16))
+  with pytest.raises(ValueError, match="list the autocast function itself"):
+    ols.list_matmuls(transform(g), x, w)
+  (m,) = ols.list_matmuls(g, x, w)  # the function itself
+  assert m.precision == "bfloat16"
+  assert len(ols.list_matmuls(jax.grad(lambda v, w: jnp.tanh(v @ w).sum()), x, w)) == 2
+
+
+@pytest.mark.parametrize(
+  "fun",
+  [
+    lambda a, b: a.astype(jnp.int32) @ b.astype(jnp.int32),
+    lambda a, b: a.astype(jnp.int32) @ b,
+    lambda a, b: a.astype(jnp.complex64) @ b.astype(jnp.complex64),
+  ],
+  ids=["integer", "integer x float", "complex"],
+)
+@pytest.mark.parametrize("matmul", [None, "float8"])
+@pytest.mark.standard_promotion  # an integer times a float
+def test_list_matmuls_lists_the_matmuls_autocast_leaves_as_written(fun, matmul):
+  """They ran, as written, and were missing from the listing."""
+  x, w = jnp.ones((8, 32)), jnp.ones((32, 16))
+  cast = ols.autocast(fun, compute_dtype=jnp.bfloat16, matmul=matmul)
+  assert ols.list_matmuls(cast, x, w) == ols.list_matmuls(fun, x, w)
+  (m,) = ols.list_matmuls(cast, x, w)
+  assert m.out_dtype == cast(x, w).dtype.name

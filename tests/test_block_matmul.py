@@ -397,6 +397,10 @@ def test_recipes_check_their_arguments():
     ols.NVFP4Matmul(weight_2d=1)
   with pytest.raises(ValueError, match="`seed` must be an int"):
     ols.NVFP4Matmul(seed=1.5)
+  for seed in (2**63, 2**70, -(2**63) - 1):  # jax.random.key overflowed in grad
+    with pytest.raises(ValueError, match="`seed` must fit in 64 bits"):
+      ols.NVFP4Matmul(seed=seed)
+  ols.NVFP4Matmul(seed=2**63 - 1)
   with pytest.raises(ValueError, match="`exclude` must be a tuple of regular"):
     ols.MXFP8Matmul(exclude="head")
 

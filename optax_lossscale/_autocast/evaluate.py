@@ -243,6 +243,9 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   matmul = eqn.primitive.name == "dot_general"
   complex_ = any(jnp.issubdtype(d, jnp.complexfloating) for d in original)
   if not floating or complex_ or (matmul and len(floating) < len(original)):
+    if matmul:  # listed as written (the listing of a plain function does so)
+      dtypes = "/".join(dict.fromkeys(d.name for d in original))
+      _note(eqn, flags, None, dtypes, eqn.outvars[0].aval.dtype, walk)
     return _jaxpr.bind(eqn, invals)  # complex, integer, boolean: as written
   pet = eqn.params.get("preferred_element_type")
   sizes = [d.itemsize for d in floating]

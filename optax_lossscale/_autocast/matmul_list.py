@@ -44,7 +44,9 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
 
   Args:
     fun: a function made by :func:`~optax_lossscale.autocast` (its
-      compute dtype and recipe), or any function (its matmuls as written).
+      compute dtype and recipe), or any function (its matmuls as written);
+      not ``jax.grad``, ``jax.vmap`` or ``jax.jit`` of an autocast function
+      (a ``ValueError``: list the autocast function itself).
     *args: its positional arguments (arrays, or ``jax.ShapeDtypeStruct``).
     **kwargs: its keyword arguments, likewise.
 
@@ -83,6 +85,14 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
     bfloat16 output None
   """
   inner, rules = getattr(fun, "_autocast", (fun, _AS_WRITTEN))
+  if rules is not _AS_WRITTEN and getattr(fun, "__wrapped__", None) is not inner:
+    # jax.grad, jax.vmap or jax.jit of an autocast function carry its
+    # attributes (functools.wraps), and were listed as the function itself.
+    raise ValueError(
+      f"list_matmuls({getattr(fun, '__name__', fun)!r}): a transformation "
+      "(jax.grad, jax.vmap, jax.jit) of an autocast function; list the "
+      "autocast function itself, on the arguments it is called with."
+    )
   _, spec, arrays = _autocast.prepare(inner, args, kwargs)
   found: dict = {}
   run = functools.partial(_autocast.rewritten, inner, rules, spec, record=found)

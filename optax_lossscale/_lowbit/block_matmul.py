@@ -202,6 +202,8 @@ class NVFP4Matmul:
       _check_bool(self, f)
     if not isinstance(self.seed, (int, np.integer)) or isinstance(self.seed, bool):
       raise ValueError(f"`seed` must be an int, got {self.seed!r}.")
+    if not -(2**63) <= int(self.seed) < 2**63:  # what jax.random.key takes
+      raise ValueError(f"`seed` must fit in 64 bits (signed), got {self.seed!r}.")
     check_keep(self)
     check_min_size(self)
     object.__setattr__(self, "exclude", check_exclude(self.exclude))
