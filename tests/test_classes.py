@@ -88,6 +88,13 @@ DTYPE_CASES = [
   ),
   (E4M3, {"Float8Matmul forward_dtype": E4M3}, "matmul='float8'"),
   (E5M2, {"Float8Matmul forward_dtype": E5M2}, "matmul='float8'"),
+  # a float8 dtype by its name, where one is allowed (it was refused with
+  # a list of names none of which was)
+  (
+    "float8_e4m3fn",
+    {"Float8Matmul forward_dtype": E4M3},
+    "unknown dtype name 'float8_e4m3fn'",
+  ),
 ]
 # Policy.from_string reads text only: a dtype object there is not a string.
 NOT_TEXT = {"Policy.from_string"}
@@ -111,7 +118,8 @@ def test_a_dtype_argument_takes_the_documented_spellings_only(
     message = str(e.value)
     assert want in message, message
     assert f"`{name}`" in message, message
-    if not any(value is d for d in (E4M3, E5M2)) and "Float8" not in argument:
+    float8 = any(value is d for d in (E4M3, E5M2)) or "float8" in str(value)
+    if not float8 and "Float8" not in argument:
       assert "float8" not in message, message  # float8's hint, for float8 only
   else:
     assert DTYPE_ARGUMENTS[argument](value) == want

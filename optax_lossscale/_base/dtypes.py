@@ -103,8 +103,15 @@ def float_dtype(
       dtype = default_half_dtype(backend_name)
     elif key in NAMES:
       dtype = NAMES[key]
+    elif allowed is not None and key in {jnp.dtype(a).name for a in allowed}:
+      dtype = jnp.dtype(key)  # an allowed dtype by its own name ("float8_e4m3fn")
     else:
-      raise ValueError(f"`{name}`: unknown dtype name {value!r}; use {spellings}.")
+      use = (
+        spellings
+        if allowed is None
+        else "one of " + ", ".join(jnp.dtype(a).name for a in allowed)
+      )
+      raise ValueError(f"`{name}`: unknown dtype name {value!r}; use {use}.")
   elif (
     value is None
     or any(value is t for t in (float, int, complex, bool))
