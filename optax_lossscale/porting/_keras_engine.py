@@ -97,7 +97,9 @@ def learning_rate(spec: OptimizerSpec, state: KerasOptimizerState) -> jax.Array:
 
 
 def init(spec: OptimizerSpec, base: BaseArgs, params: Any) -> KerasOptimizerState:
-  """A fresh state (the EMA: zeros for Keras 3, ``params`` for tf_keras)."""
+  """A fresh state (the EMA: zeros for Keras 3, ``params`` for tf_keras).
+  Every parameter is an array (a Keras variable), or a ValueError names it."""
+  _tree.array_leaves(params, "parameter")
   copy = lambda p: jnp.array(p, copy=True)  # noqa: E731
   zeros = lambda p: jnp.zeros(jnp.shape(p), p.dtype)  # noqa: E731
   it = jnp.zeros([], _I32)
