@@ -241,8 +241,17 @@ def test_equinox_filter_jit_takes_the_transformation_as_an_argument(name):
   jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
-def test_dequantize_state_of_an_abstract_state():
-  tx = ols.quantize_state(optax.adam(1e-2))
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: ols.quantize_state(optax.adam(1e-2)),
+    lambda: ols.quantize_state(optax.adam(1e-2), layout="flat"),  # a TypeError
+    lambda: ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-2), layout="flat")),
+  ],
+  ids=["leaf", "flat", "flat under a loss scale"],
+)
+def test_dequantize_state_of_an_abstract_state(make):
+  tx = make()
   params = {**_tree(0), "b": jnp.ones(7)}
   abstract = jax.eval_shape(tx.init, params)
   got = ols.dequantize_state(abstract)

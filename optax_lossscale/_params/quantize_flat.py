@@ -222,11 +222,15 @@ def dequantized(inner_state: Any, groups: tuple, cast: bool) -> Any:
   """``inner_state`` with each :class:`GroupedLeaf` its values (float32, or
   its dtype with ``cast``), read from its group's buffer (whose leading
   axes, a stack of states, it keeps)."""
-  flat = [q.dequantize() for q in groups]
+  abstract = any(not _tree.is_array(q.codes) for q in groups)  # eval_shape's
+  flat = [None if abstract else q.dequantize() for q in groups]
 
   def leaf(x):
     if not is_grouped(x):
       return x
+    if abstract:
+      lead = groups[x.group].codes.shape[:-1]
+      return jax.ShapeDtypeStruct((*lead, *x.shape), x.dtype if cast else _F32)
     buffer = flat[x.group]
     v = buffer[..., x.start : x.start + math.prod(x.shape)]
     v = v.reshape(*buffer.shape[:-1], *x.shape)
