@@ -102,7 +102,7 @@ class KerasLossScale:
   Args:
     spec: the Keras optimizer.
     base: its base arguments.
-    initial_scale: the initial (or fixed) scale, any positive finite float32.
+    initial_scale: the initial (or fixed) scale, a float32 in [2**-126, 2**126].
     growth_steps: ``dynamic_growth_steps``, or ``None`` for a fixed scale
       (every step applied, as TensorFlow's fixed scale).
     factor: ``loss_scale_factor``, divided out after the scale, or ``None``.
