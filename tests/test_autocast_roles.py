@@ -347,3 +347,21 @@ def test_the_output_layer_is_found_at_any_depth(name):
   assert [m.precision for m in found] == [
     "nvfp4" if k is None else "bfloat16" for k in kept
   ]
+
+
+def test_attention_is_batched_attention_only():
+  """An unbatched ``q @ k.T`` (one example, one head) is a weight's matmul,
+  as the exclusion page says: autocast the batched function to keep
+  attention out of a recipe."""
+
+  def attn(x, wq, wk, wv):
+    q, k, v = x @ wq, x @ wk, x @ wv
+    return jnp.tanh(jax.nn.softmax(q @ k.T / 5, -1) @ v)
+
+  x, w = jnp.ones((4, 6, 32)), jnp.ones((32, 32))
+  recipe = dict(compute_dtype=jnp.bfloat16, matmul="float8")
+  one = ols.list_matmuls(ols.autocast(attn, **recipe), x[0], w, w, w)
+  assert [m.kept for m in one] == [None] * 5
+  batched = jax.vmap(attn, (0, None, None, None))
+  kept = [m.kept for m in ols.list_matmuls(ols.autocast(batched, **recipe), x, w, w, w)]
+  assert kept.count("attention") == 2 and kept.count(None) == 3
