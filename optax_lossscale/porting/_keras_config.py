@@ -381,18 +381,8 @@ def positive_f32(name: str, value: Any) -> float:
 
 
 def scale_f32(name: str, value: Any) -> float:
-  """A loss scale Keras' optimizer takes: a float32 in ``[2**-126, 2**126]``
-  (:func:`_tf_rule.check_ceiling` says why not above; below, the scale is
-  subnormal, its reciprocal overflows and a fixed scale applies the
-  resulting ``inf`` every step, as :class:`StaticLossScale` refuses it)."""
-  from optax_lossscale.porting import _tf_rule
-
-  out = _tf_rule.check_ceiling(name, positive_f32(name, value))
-  lo, _ = _validate.SCALE_RANGE
-  if out < lo:
-    raise ValueError(
-      f"`{name}` must be at least 2**-126 (a normal float32 number), got "
-      f"{value!r}: the gradients are multiplied by its reciprocal, which "
-      "overflows below it."
-    )
-  return out
+  """A loss scale Keras' optimizer takes: positive, in float32, and in
+  ``[2**-126, 2**126]`` (:func:`_validate.check_scale`, as the core's):
+  above, its reciprocal, which multiplies the gradients, is subnormal and
+  flushed to zero on a CPU; below, it overflows."""
+  return _validate.check_scale(name, positive_f32(name, value))
