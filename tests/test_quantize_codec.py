@@ -248,7 +248,9 @@ def test_a_nan_counts_as_an_infinity_in_both_extremes(one_pass):
     jnp.float32,
   )
   up = jnp.where(jnp.isnan(b), jnp.inf, b)
-  (lo, hi), (lo_up, hi_up) = (codec.block_extremes([x], one_pass)[0] for x in (b, up))
+  (lo, hi, _), (lo_up, hi_up, _) = (
+    codec.block_extremes([x], one_pass)[0] for x in (b, up)
+  )
   np.testing.assert_array_equal(lo, lo_up)
   np.testing.assert_array_equal(hi, hi_up)
   np.testing.assert_array_equal(lo, [-3.0, np.inf, 0.25, -2.0])

@@ -409,9 +409,9 @@ def test_an_update_encodes_each_quantised_leaf_once(monkeypatch):
   state = tx.init(params)
   encoded = []
 
-  def counting(xs, *args):
+  def counting(xs, *args, **kwargs):
     encoded.extend(x.shape for x in xs)
-    return encode_many(xs, *args)
+    return encode_many(xs, *args, **kwargs)
 
   encode_many = q.encode_many
   monkeypatch.setattr(q, "encode_many", counting)
@@ -422,8 +422,11 @@ def test_an_update_encodes_each_quantised_leaf_once(monkeypatch):
 
 def _equations(tx, n, distinct):
   """Equations, at every depth, of one trace of ``tx.update`` on ``n`` leaves
-  of 2048 entries (or of n distinct sizes)."""
-  params = {f"w{i}": jnp.ones((8, 256 + (32 * i if distinct else 0))) for i in range(n)}
+  of 2048 entries, blocks along their rows (or of n distinct sizes, none a
+  whole number of blocks a row: blocks across rows)."""
+  params = {
+    f"w{i}": jnp.ones((8, 288 + 64 * i) if distinct else (8, 256)) for i in range(n)
+  }
   state = jax.eval_shape(tx.init, params)  # abstract: nothing is compiled
   jaxpr = jax.make_jaxpr(tx.update)(params, state, params).jaxpr
   return sum(1 for _ in all_eqns(jaxpr))
@@ -436,8 +439,9 @@ def test_the_equations_a_quantised_leaf_adds_do_not_grow_with_the_leaf_count(dis
   number of leaves (nothing is traced once per pair of leaves, nor the whole
   state again per leaf), and the loss scale and master weights around it
   add per leaf what they add around bare Adam. The codec is still traced
-  once per leaf, and its equations make the number (793 a leaf of one
-  size, Adam's 15)."""
+  once per leaf, and its equations make the number (831 a leaf of one
+  size, Adam's 15; 38 of them keep the blocks an update leaves as they
+  were)."""
   qs = lambda: ols.quantize_state(optax.adam(1e-3), min_size=0)  # noqa: E731
   setups = {
     "adam": optax.adam(1e-3),
@@ -451,7 +455,7 @@ def test_the_equations_a_quantised_leaf_adds_do_not_grow_with_the_leaf_count(dis
     steps = [(counts[1] - counts[0]) / 4, (counts[2] - counts[1]) / 8]
     assert abs(steps[1] - steps[0]) <= 1, (name, counts)  # a constant a leaf
     per_leaf[name] = steps[0]
-  assert per_leaf["quantised"] <= 810, per_leaf
+  assert per_leaf["quantised"] <= 850, per_leaf
   wrappers = per_leaf["all three"] - per_leaf["quantised"]
   assert wrappers <= per_leaf["loss scale"] - per_leaf["adam"] + 2, per_leaf
 

@@ -124,18 +124,21 @@ def draw(key: jax.Array, shape: tuple, dtype: Any) -> jax.Array:
   return (hashed >> np.uint32(32 - 8 * out.itemsize)).astype(out)
 
 
-def uniform_of(x: jax.Array, first: Any = 0) -> jax.Array:
+def uniform_of(x: jax.Array, first: Any = 0, step: Any = None) -> jax.Array:
   """float32 numbers in [0, 1), one per element of float32 ``x``, hashed
-  from the element's own bits and its flat index plus ``first`` (an int or
-  an int32 scalar: where ``x`` is a tile of a larger array)
-  (Threefry-2x32 under a fixed key): no key to carry, and a new draw
-  wherever the value changes. An element that keeps its value keeps its
-  number, so rounding it again gives the same result."""
+  from the element's own bits, its flat index plus ``first`` (an int or
+  an int32 scalar: where ``x`` is a tile of a larger array) and ``step``
+  (an int32 scalar, or None for 0: a new set of numbers each step)
+  (Threefry-2x32 under a key of ``step``): no key to carry, and a new draw
+  wherever the value or the step changes."""
   index = lax.iota(_U32, x.size).reshape(x.shape)
   if not (isinstance(first, int) and first == 0):
     index = index + jnp.asarray(first).astype(_U32)
+  key = np.uint32(0x0C0DE)
+  if step is not None:
+    key = key ^ jnp.asarray(step).astype(_U32)
   bits = lax.bitcast_convert_type(x.astype(_F32), _U32)
-  hashed = _threefry2x32(np.uint32(0x5EED), np.uint32(0x0C0DE), bits, index)
+  hashed = _threefry2x32(np.uint32(0x5EED), key, bits, index)
   return (hashed >> np.uint32(8)).astype(_F32) * np.float32(2.0**-24)
 
 

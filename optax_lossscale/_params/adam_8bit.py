@@ -30,6 +30,7 @@ from optax_lossscale._params.quantize_state import (
   QuantizedLeaf,
   QuantizedState,
   encode_many,
+  next_count,
   quantize_state,
 )
 
@@ -189,7 +190,7 @@ def adam_8bit(
       raise ValueError(
         "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."
       )
-    inner_state = state.inner_state
+    inner_state, count = state.inner_state, next_count(state.count)
     adam = inner_state[0]
     treedef = jax.tree.structure(updates)
     grads = treedef.flatten_up_to(updates)
@@ -211,22 +212,29 @@ def adam_8bit(
       x.dequantize().astype(x.dtype) if isinstance(x, QuantizedLeaf) else x
     )  # noqa: E731
     out_u, out_m, out_v = list(grads), list(mus), list(nus)
+    read_m, read_v = [decode(mus[i]) for i in rest], [decode(nus[i]) for i in rest]
     u, m, v, new_scalars = step(
       scalars,
       [grads[i] for i in rest],
       [ps[i] for i in rest] if params is not None else None,
-      [decode(mus[i]) for i in rest],
-      [decode(nus[i]) for i in rest],
+      read_m,
+      read_v,
     )
     for n, i in enumerate(rest):
       out_u[i], out_m[i], out_v[i] = u[n], m[n], v[n]
       if isinstance(mus[i], QuantizedLeaf):
         out_m[i], out_v[i] = encode_many(
-          [m[n], v[n]], block_size, store_sqrt, stochastic
+          [m[n], v[n]],
+          block_size,
+          store_sqrt,
+          stochastic,
+          step=count,
+          olds=[(mus[i], read_m[n]), (nus[i], read_v[n])],
         )
     leaf_step = functools.partial(
       _fused_leaf,
       scalars,
+      count,
       step=inner_step,  # one function a transformation: _fused_leaf's cache holds
       scalar_def=scalar_def,
       block_size=block_size,
@@ -240,7 +248,7 @@ def adam_8bit(
     head = head._replace(
       mu=jax.tree.unflatten(treedef, out_m), nu=jax.tree.unflatten(treedef, out_v)
     )
-    return jax.tree.unflatten(treedef, out_u), QuantizedState((head, *tail))
+    return jax.tree.unflatten(treedef, out_u), QuantizedState((head, *tail), count)
 
   return Adam8bit(
     quantized.init,
@@ -272,10 +280,23 @@ def _tile_rows(rows: int, block_size: int) -> int:
   static_argnames=("step", "scalar_def", "block_size", "sqrt", "stochastic", "kernel"),
 )
 def _fused_leaf(
-  scalars, g, p, mq, vq, *, step, scalar_def, block_size, sqrt, stochastic, kernel
+  scalars,
+  count,
+  g,
+  p,
+  mq,
+  vq,
+  *,
+  step,
+  scalar_def,
+  block_size,
+  sqrt,
+  stochastic,
+  kernel,
 ):
   """One quantised leaf's update and new codes and scales, each block
-  decoded, updated by ``step(scalar_def, ...)`` and encoded in one pass."""
+  decoded, updated by ``step(scalar_def, ...)`` and encoded (stochastically:
+  at step ``count``) in one pass, its unchanged blocks kept."""
   step = functools.partial(step, scalar_def)
   shape, size = tuple(g.shape), math.prod(g.shape)
   blocks = [_codec.blocks(g, block_size)] + (
@@ -297,26 +318,36 @@ def _fused_leaf(
 
   def body(scalars, *arrays, first_row, tiled=False):
     """The step on blocks (a leaf's, or a kernel's tile of them, ``tiled``,
-    whose first block is ``first_row``)."""
+    whose first block is ``first_row``); ``scalars`` end in the step count
+    where the rounding is stochastic."""
+    count = scalars[-1] if stochastic else None
+    scalars = scalars[:-1] if stochastic else scalars
     g, p = arrays[0], (arrays[1] if with_p else None)
     mc, ms, vc, vs = arrays[1 + with_p :]
     m = _codec.decode_blocks(mc.astype(jnp.int32), ms, sqrt).astype(mq.dtype)
     v = _codec.decode_blocks(vc.astype(jnp.int32), vs, sqrt).astype(vq.dtype)
-    u, m, v, _ = step(scalars, g, p, m, v)
-    moments = []
-    for x in (m, v):
+    u, m_new, v_new, _ = step(scalars, g, p, m, v)
+
+    def f32(x):
       x = jax.lax.stop_gradient(x).astype(_F32)
       if padded:  # the padding of the last block: 0
         row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0) + first_row
         col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
         x = jnp.where(row * block_size + col < size, x, 0.0)
-      moments.append(x)
+      return x
+
+    moments = [f32(m_new), f32(v_new)]
     out = [u]
-    extremes = _codec.block_extremes(moments, one_pass=not tiled)
-    for x, (lo, hi) in zip(moments, extremes, strict=True):
+    extremes = _codec.block_extremes(
+      moments, one_pass=not tiled, reads=[f32(m), f32(v)]
+    )
+    for x, (lo, hi, changed), (c, s) in zip(
+      moments, extremes, ((mc, ms), (vc, vs)), strict=True
+    ):
       codes, scales = _codec.code_blocks(
-        x, lo, hi, sqrt, stochastic, first_row * block_size
+        x, lo, hi, sqrt, stochastic, first_row * block_size, count
       )
+      codes, scales = _codec.kept_blocks(changed, codes, scales, c, s)
       out += [codes.astype(jnp.uint8), scales]
     return out
 
@@ -328,6 +359,7 @@ def _fused_leaf(
         f"{', '.join(narrow)} (Pallas' Triton lowering has no arithmetic on "
         "them); use kernel='xla'."
       )
+  scalars = [*scalars, count] if stochastic else scalars
   if kernel == "xla":
     u, mc, ms, vc, vs = body(scalars, *blocks, first_row=0)
   else:  # the kernel's arrays: blocks as rows, scales as a vector

@@ -34,6 +34,7 @@ __all__ = [
   "dynamic_map",
   "encode",
   "encode_many",
+  "kept_blocks",
   "layout",
   "thresholds",
   "unblocked",
@@ -321,20 +322,20 @@ def nearest_code(s: jax.Array, signed: jax.Array) -> jax.Array:
 
 
 def _stochastic(
-  s: jax.Array, signed: jax.Array, nearest: jax.Array, first=0
+  s: jax.Array, signed: jax.Array, nearest: jax.Array, first=0, step=None
 ) -> jax.Array:
   """The code of each ``s`` rounded at random between the two map values
   around it, up with probability its distance from the lower one over
   their gap (so the code's value is ``s`` on average); ``nearest`` is its
   nearest code. The random numbers are :func:`rounding.uniform_of` of
-  ``s`` (its first element's flat index ``first``)."""
+  ``s`` (its first element's flat index ``first``) at ``step``."""
   v = code_value(nearest, signed)
   lo = jnp.where(v <= s, nearest, jnp.maximum(nearest - 1, 0))
   hi = jnp.minimum(lo + 1, 255)
   v_lo, v_hi = code_value(lo, signed), code_value(hi, signed)
   gap = v_hi - v_lo
   p = jnp.where(gap > 0, (s - v_lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
-  return lo + (_rounding.uniform_of(s, first) < p).astype(jnp.int32)
+  return lo + (_rounding.uniform_of(s, first, step) < p).astype(jnp.int32)
 
 
 def layout(x: Any, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
@@ -354,13 +355,18 @@ def layout(x: Any, block_size: int, sqrt: bool = True) -> QuantizedLeaf:
 
 
 def encode(
-  x: jax.Array, block_size: int, sqrt: bool = True, stochastic: bool = False
+  x: jax.Array,
+  block_size: int,
+  sqrt: bool = True,
+  stochastic: bool = False,
+  step: Any = None,
 ) -> QuantizedLeaf:
   """``x`` as codes and scales, each element to the nearest value of its
   block's map (a value exactly halfway between two rounds down), or with
-  ``stochastic`` to one of the two around it at random (:func:`_stochastic`);
-  with ``sqrt``, a block that is all ``>= 0`` as its square roots."""
-  return encode_many([x], block_size, sqrt, stochastic)[0]
+  ``stochastic`` to one of the two around it at random (:func:`_stochastic`,
+  its random numbers drawn for ``step``, an int32 scalar); with ``sqrt``, a
+  block that is all ``>= 0`` as its square roots."""
+  return encode_many([x], block_size, sqrt, stochastic, step=step)[0]
 
 
 def encode_many(
@@ -369,6 +375,8 @@ def encode_many(
   sqrt: bool = True,
   stochastic: bool = False,
   firsts: list | None = None,
+  step: Any = None,
+  olds: list | None = None,
 ) -> list:
   """:func:`encode` of each of ``xs``, arrays of one shape (and sharding),
   whose blocks' extremes one reduction finds: it reads what the arrays are
@@ -376,10 +384,14 @@ def encode_many(
   (BENCHMARKS.md, 8-bit state). ``firsts``: for a one-dimensional array
   holding several leaves, per block (shape ``(blocks, 1)``) what to add to
   an element's index to make it its index in its own leaf, which the
-  stochastic rounding's random numbers hash."""
+  stochastic rounding's random numbers hash (with ``step``). ``olds``: for
+  each of ``xs``, None or ``(the QuantizedLeaf it is an update of, the
+  values that leaf was decoded to)``, whose unchanged blocks it keeps
+  (:func:`kept_blocks`)."""
   for x in xs:
     check_real(x.dtype, x.shape)
-  return _encode_many(list(xs), firsts, block_size, sqrt, stochastic)
+  olds = [None] * len(xs) if olds is None else list(olds)
+  return _encode_many(list(xs), firsts, step, olds, block_size, sqrt, stochastic)
 
 
 def check_real(dtype: Any, shape: tuple) -> None:
@@ -394,20 +406,46 @@ def check_real(dtype: Any, shape: tuple) -> None:
 # One program, not hundreds of operations dispatched one by one where it
 # runs outside a jitted function (an optimizer's init, usually); inside one
 # it is inlined.
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
 def _encode_many(
-  xs: list, firsts, block_size: int, sqrt: bool, stochastic: bool
+  xs: list, firsts, step, olds: list, block_size: int, sqrt: bool, stochastic: bool
 ) -> list:
   # The codes are integers: like rounding, quantising has no derivative, so
   # the stored state carries none (its scales would carry a partial one).
   xs = [jax.lax.stop_gradient(x) for x in xs]
   blocked = [_blocked(x.astype(_F32), block_size) for x in xs]
-  extremes = block_extremes([b for b, _ in blocked])
-  firsts = [0] * len(xs) if firsts is None else firsts
-  return [
-    _encode_blocks(x, b, *extremes[n], block_size, sqrt, stochastic, firsts[n])
-    for n, (x, (b, _)) in enumerate(zip(xs, blocked, strict=True))
+  reads = [
+    None if o is None else blocks(jax.lax.stop_gradient(o[1]).astype(_F32), block_size)
+    for o in olds
   ]
+  extremes = block_extremes([b for b, _ in blocked], reads=reads)
+  firsts = [0] * len(xs) if firsts is None else firsts
+  out = []
+  for n, (x, (b, _)) in enumerate(zip(xs, blocked, strict=True)):
+    lo, hi, changed = extremes[n]
+    idx, scales = code_blocks(b, lo, hi, sqrt, stochastic, firsts[n], step)
+    if olds[n] is not None:
+      old = olds[n][0]
+      idx, scales = kept_blocks(
+        changed, idx, scales, blocks(old.codes, block_size), old.scales
+      )
+    codes = _as_sharded_as(unblocked(idx.astype(jnp.uint8), x.shape, block_size), x)
+    out.append(QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt))
+  return out
+
+
+def kept_blocks(changed, codes, scales, old_codes, old_scales) -> tuple:
+  """``(codes, scales)`` of blocks, with each block not ``changed`` (its
+  values those its state was decoded to, in the dtype the inner
+  transformation read them: a state it left as it was; see
+  :func:`block_extremes`) as ``old_codes`` and ``old_scales``: encoding
+  again a block that did not change changes nothing, neither its scale (a
+  half-precision moment's block is scaled by its rounded extreme) nor,
+  rounding stochastically, a code. ``changed`` None: as they are."""
+  if changed is None:
+    return codes, scales
+  codes = jnp.where(changed[..., None], codes, old_codes.astype(codes.dtype))
+  return codes, jnp.where(changed, scales, old_scales)
 
 
 #: The magnitude of the signed map's least value (0.9930, short of 1).
@@ -420,45 +458,60 @@ _SIGNED_SCALE = np.float32(1) / _SIGNED_END
 _HUGE = np.float32(2.0**126)
 
 
-def _encode_blocks(x, b, lo, hi, block_size, sqrt, stochastic, first) -> QuantizedLeaf:
-  """``x`` (blocked as ``b``) quantised, given each block's least and
-  largest values (``first``: as :func:`code_blocks` takes it)."""
-  idx, scales = code_blocks(b, lo, hi, sqrt, stochastic, first)
-  codes = _as_sharded_as(unblocked(idx.astype(jnp.uint8), x.shape, block_size), x)
-  return QuantizedLeaf(codes, scales, jnp.dtype(x.dtype), block_size, sqrt)
-
-
-def block_extremes(bs: list, one_pass: bool = True) -> list:
-  """Each block's least and largest value, ``(lo, hi)`` for each of ``bs``
-  (float32, blocked along the last axis, of one shape), both counting NaN
-  as an infinity: no NaN reaches a reduction, whose NaN rule differs by
-  backend (XLA's min and max keep a NaN, Pallas' Triton lowering drops it);
-  the largest magnitude follows from the two. ``one_pass``: one variadic
-  reduction reads every array once (what XLA fuses with what the arrays
-  are computed from: a gradient, Adam's two moments); else a min and a max
-  reduction each (what Pallas' Triton lowering has)."""
+def block_extremes(bs: list, one_pass: bool = True, reads: list | None = None) -> list:
+  """Each block's least and largest value and whether it changed,
+  ``(lo, hi, changed)`` for each of ``bs`` (float32, blocked along the last
+  axis, of one shape). ``lo`` and ``hi`` count NaN as an infinity: no NaN
+  reaches a reduction, whose NaN rule differs by backend (XLA's min and max
+  keep a NaN, Pallas' Triton lowering drops it); the largest magnitude
+  follows from the two. ``changed``: whether the block differs bit for bit
+  from the block of ``reads`` (for each of ``bs``, None or the float32
+  values its state was decoded to: :func:`kept_blocks`), None where that is
+  None. ``one_pass``: one variadic reduction reads every array once (what
+  XLA fuses with what the arrays are computed from: a gradient, Adam's two
+  moments); else a reduction a quantity (what Pallas' Triton lowering has:
+  min and max, so ``changed`` is a maximum, not ``any``)."""
+  reads = [None] * len(bs) if reads is None else reads
   nan_up = [jnp.where(jnp.isnan(b), jnp.inf, b) for b in bs]
+  bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint32)  # noqa: E731
+  diffs = [
+    None if r is None else jnp.where(bits(b) != bits(r), np.float32(1), np.float32(0))
+    for b, r in zip(bs, reads, strict=True)
+  ]
   if not one_pass:
-    return [(jnp.min(u, axis=-1), jnp.max(u, axis=-1)) for u in nan_up]
-  out = jax.lax.reduce(
-    tuple(v for u in nan_up for v in (u, u)),
-    (np.float32(np.inf), np.float32(-np.inf)) * len(bs),
-    lambda x, y: tuple(
-      (jnp.minimum if k % 2 == 0 else jnp.maximum)(a, c)
-      for k, (a, c) in enumerate(zip(x, y, strict=True))
-    ),
-    (bs[0].ndim - 1,),
+    return [
+      (jnp.min(u, axis=-1), jnp.max(u, axis=-1), None if d is None else d.max(-1) > 0)
+      for u, d in zip(nan_up, diffs, strict=True)
+    ]
+  operands, inits, ops = [], [], []
+  for u, d in zip(nan_up, diffs, strict=True):
+    operands += [u, u] + ([] if d is None else [d])
+    inits += [np.float32(np.inf), np.float32(-np.inf)] + ([] if d is None else [0])
+    ops += [jnp.minimum, jnp.maximum] + ([] if d is None else [jnp.maximum])
+  out = list(
+    jax.lax.reduce(
+      tuple(operands),
+      tuple(np.float32(i) for i in inits),
+      lambda x, y: tuple(op(a, c) for op, a, c in zip(ops, x, y, strict=True)),
+      (bs[0].ndim - 1,),
+    )
   )
-  return [(out[2 * n], out[2 * n + 1]) for n in range(len(bs))]
+  result = []
+  for d in diffs:
+    lo, hi = out.pop(0), out.pop(0)
+    result.append((lo, hi, None if d is None else out.pop(0) > 0))
+  return result
 
 
-def code_blocks(b, lo, hi, sqrt, stochastic, first=0) -> tuple[jax.Array, jax.Array]:
+def code_blocks(
+  b, lo, hi, sqrt, stochastic, first=0, step=None
+) -> tuple[jax.Array, jax.Array]:
   """The codes (int32, ``b``'s shape) and scales (one a block) of ``b``,
   float32 blocked along its last axis, given each block's least and largest
   values: the one encoder every path uses. ``first`` is the flat index of
   ``b``'s first element in its leaf's blocks (a kernel's tile), or an
   array of such offsets a block (the flat layout's buffer), which the
-  stochastic rounding's random numbers hash."""
+  stochastic rounding's random numbers hash with ``step``."""
   lo, hi = lo[..., None], hi[..., None]
   signed = lo < 0
   # The signed map ends at 1 above but at -_SIGNED_END below: a block whose
@@ -477,7 +530,7 @@ def code_blocks(b, lo, hi, sqrt, stochastic, first=0) -> tuple[jax.Array, jax.Ar
   s = jnp.clip((b * f) * inv, -1.0, 1.0)
   idx = nearest_code(s, signed)
   if stochastic:
-    idx = _stochastic(s, signed, idx, first)
+    idx = _stochastic(s, signed, idx, first, step)
   return idx, jnp.where(signed, -absmax, absmax)[..., 0]
 
 

@@ -159,9 +159,11 @@ def encoded(
   block_size: int,
   sqrt: bool,
   stochastic: bool,
+  step: Any = None,
 ) -> tuple[Any, tuple]:
   """``inner_state`` in the flat layout (:func:`grouped`), its chosen leaves
-  encoded: ``(state with GroupedLeaf s, the groups' QuantizedLeaf s)``."""
+  encoded (at ``step``): ``(state with GroupedLeaf s, the groups'
+  QuantizedLeaf s)``."""
   leaves = jax.tree.leaves(inner_state)
   check_unsharded([leaves[i] for i in chosen])
   state, groups = grouped(inner_state, chosen, like, block_size, sqrt)
@@ -172,7 +174,9 @@ def encoded(
   ]
   members = [[slots[i] for i in idx] for idx, _ in groups]
   dtypes = [g.dtype for _, g in groups]
-  return state, encode_groups(values, members, dtypes, block_size, sqrt, stochastic)
+  return state, encode_groups(
+    values, members, dtypes, block_size, sqrt, stochastic, step
+  )
 
 
 def encode_groups(
@@ -182,13 +186,16 @@ def encode_groups(
   block_size: int,
   sqrt: bool,
   stochastic: bool,
+  step: Any = None,
+  olds: list | None = None,
 ) -> tuple:
   """The :class:`QuantizedLeaf` of each group's flat values (padding zero),
   made in its dtype of ``dtypes``; groups of one length are encoded
   together (one reduction reads them).
   ``group_leaves``: each group's :class:`GroupedLeaf` s, whose ``start``
-  makes the stochastic rounding's random numbers those of the per-leaf
-  layout."""
+  makes the stochastic rounding's random numbers (at ``step``) those of
+  the per-leaf layout. ``olds``: each group's old QuantizedLeaf and the
+  values the inner update read from it, whose unchanged blocks are kept."""
   out = [None] * len(values)
   by_size: dict = {}
   for g, v in enumerate(values):
@@ -198,7 +205,13 @@ def encode_groups(
     if stochastic:
       firsts = [_block_firsts(group_leaves[g], values[g].size, block_size) for g in idx]
     coded = _codec.encode_many(
-      [values[g] for g in idx], block_size, sqrt, stochastic, firsts=firsts
+      [values[g] for g in idx],
+      block_size,
+      sqrt,
+      stochastic,
+      firsts=firsts,
+      step=step,
+      olds=None if olds is None else [olds[g] for g in idx],
     )
     for g, q in zip(idx, coded, strict=True):
       out[g] = dataclasses.replace(q, dtype=jnp.dtype(dtypes[g]))
@@ -249,9 +262,11 @@ def flat_update(
   block_size: int,
   sqrt: bool,
   stochastic: bool,
+  step: Any = None,
 ) -> tuple[Any, Any, tuple]:
   """``update(updates, state, params, **extra_args)`` on the flat layout:
-  ``(new updates, new inner state with its GroupedLeaf s, new groups)``."""
+  ``(new updates, new inner state with its GroupedLeaf s, new groups)``,
+  each group's unchanged blocks kept, the others encoded at ``step``."""
   like = params if params is not None else updates
   owners, shapes = _owners(like)
   u_leaves, u_def = jax.tree.flatten(updates)
@@ -276,9 +291,10 @@ def flat_update(
   # them out of flat arrays would compile once per leaf.
   stored = {s_lanes[i] for idx in members for i in idx}
   s_lanes = [lane if lane in stored else None for lane in s_lanes]
+  read = [_decoded(q) for q in groups]  # what the inner update reads
   flat_in = [
-    (s_slots[idx[0]], _lanes.Flat(tuple(s_lanes[i] for i in idx), _decoded(q)))
-    for idx, q in zip(members, groups, strict=True)
+    (s_slots[idx[0]], _lanes.Flat(tuple(s_lanes[i] for i in idx), x))
+    for idx, x in zip(members, read, strict=True)
   ]
   abstract = [
     jax.ShapeDtypeStruct(x.shape, x.dtype) if is_grouped(x) else x for x in s_leaves
@@ -363,5 +379,7 @@ def flat_update(
     block_size,
     sqrt,
     stochastic,
+    step,
+    list(zip(groups, read, strict=True)),
   )
   return new_u, jax.tree.unflatten(s_def, new_leaves), coded

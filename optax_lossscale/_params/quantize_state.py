@@ -85,9 +85,12 @@ class QuantizedState(NamedTuple):
     inner_state: the wrapped transformation's state, each quantised leaf a
       :class:`QuantizedLeaf` (the others as the inner transformation made
       them).
+    count: with ``rounding="stochastic"``, the number of updates (int32,
+      wrapping), which the random numbers hash; ``None`` otherwise.
   """
 
   inner_state: Any
+  count: Any = None
 
 
 class FlatQuantizedState(NamedTuple):
@@ -100,10 +103,39 @@ class FlatQuantizedState(NamedTuple):
     groups: one :class:`QuantizedLeaf` of one dimension a moment field and
       dtype (Adam's ``mu`` of the float32 parameters), its leaves' blocks
       one after another.
+    count: as :class:`QuantizedState`'s.
   """
 
   inner_state: Any
   groups: tuple
+  count: Any = None
+
+
+def _count_when_given(cls: type) -> type:
+  """Registers NamedTuple ``cls`` as a pytree whose ``count`` is a child only
+  where it is not None: a state rounded to nearest has the children and key
+  paths it had before the count (an Orbax checkpoint of it restores)."""
+  fields = cls._fields
+
+  def with_keys(state):
+    names = [f for f in fields if f != "count" or state.count is not None]
+    keyed = [(jax.tree_util.GetAttrKey(f), getattr(state, f)) for f in names]
+    return keyed, state.count is not None
+
+  def unflatten(counted, children):
+    return cls(*children) if counted else cls(*children, None)
+
+  jax.tree_util.register_pytree_with_keys(
+    cls,
+    with_keys,
+    unflatten,
+    lambda state: ([x for _, x in with_keys(state)[0]], state.count is not None),
+  )
+  return cls
+
+
+_count_when_given(QuantizedState)
+_count_when_given(FlatQuantizedState)
 
 
 @_tree.rebuilt_as_itself
@@ -200,22 +232,26 @@ def quantize_state(
   ``Adam8bit`` storage. ``rounding="stochastic"`` rounds each element
   to one of the two map values around it at random, up with probability
   its distance from the lower one over their gap (its code then is right
-  on average); the random numbers hash each element's index and new value,
-  so nothing random is stored and a value that does not change keeps its
-  code. Rounded to nearest, a moment that moves by less than half the gap
-  between its codes in a step keeps its code (Lion's momentum stalls: use
-  ``"stochastic"`` there). ``update`` dequantises the state (each leaf in its
-  own dtype), runs ``inner.update``, and quantises the new state; a leaf
-  holding NaN or an infinity gets an infinite scale, which the checkpoint
-  guard sees. Like rounding, quantising has no derivative: the stored state
-  carries none.
+  on average); the random numbers hash each element's index, its new value
+  and the update's step count (the state's ``count``), so each update
+  draws anew and no key is carried. Rounded to nearest, a moment that
+  moves by less than half the gap between its codes in a step keeps its
+  code (Lion's momentum stalls: use ``"stochastic"`` there). ``update``
+  dequantises the state (each leaf in its own dtype), runs
+  ``inner.update``, and quantises the new state; a block whose values the
+  inner update left as they were keeps its codes and scale bit for bit
+  (a step ``optax.apply_if_finite`` skips, ``optax.MultiSteps``'
+  micro-steps). A leaf holding NaN or an infinity gets an infinite scale,
+  which the checkpoint guard sees. Like rounding, quantising has no
+  derivative: the stored state carries none.
 
   Put it inside the loss scale and inside :func:`master_weights`
   (``dynamic_loss_scale(master_weights(quantize_state(optax.adam(...))))``):
   the master weights are parameters, not moments, and are never quantised;
   a :func:`master_weights` state inside it is refused. Put
   ``optax.MultiSteps`` outside it too (inside, every micro-batch decodes
-  and encodes again the moments it does not change).
+  and encodes again the moments it does not change: they keep their bits,
+  at the cost of the passes).
 
   Args:
     inner: any optax transformation (a chain included).
@@ -257,7 +293,8 @@ def quantize_state(
       them: pass ``select``);
       ``update`` with a state made for other parameters or by another
       transformation, or whose codes or scales changed dtype (naming the
-      leaf), and where the inner update makes a complex value of a
+      leaf), with a stochastic state of release 0.1 (no ``count``: the
+      message says how to add one), and where the inner update makes a complex value of a
       quantised leaf; with ``layout="flat"``, ``update`` where gradients or
       parameters of quantised leaves are sharded explicitly, or where the
       inner update makes the leaves of one group in several dtypes (a
@@ -346,14 +383,15 @@ def quantize_state(
     for i in picked:  # a Python float chosen: the array jit would make of it
       leaves[i] = jnp.asarray(leaves[i])
     inner_state = jax.tree.unflatten(treedef, leaves)
+    count = jnp.zeros((), jnp.int32) if stochastic else None
     if flat:
       state, coded = _flat.encoded(
-        inner_state, picked, params, block_size, store_sqrt, stochastic
+        inner_state, picked, params, block_size, store_sqrt, stochastic, count
       )
-      return FlatQuantizedState(state, coded)
+      return FlatQuantizedState(state, coded, count)
     for i in picked:
-      leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic)
-    return QuantizedState(jax.tree.unflatten(treedef, leaves))
+      leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic, count)
+    return QuantizedState(jax.tree.unflatten(treedef, leaves), count)
 
   def expected(params, group_of=None):
     """The state ``init_fn(params)`` makes, abstract, without encoding
@@ -362,14 +400,15 @@ def quantize_state(
     inner_state = memo.made(params)  # init is not traced again
     leaves, treedef = jax.tree.flatten(inner_state)
     picked = chosen(inner_state, _shapes(params))
+    count = jax.ShapeDtypeStruct((), jnp.int32) if stochastic else None
     if flat:
       state, groups = _flat.grouped(
         inner_state, picked, params, block_size, store_sqrt, group_of
       )
-      return FlatQuantizedState(state, tuple(g for _, g in groups))
+      return FlatQuantizedState(state, tuple(g for _, g in groups), count)
     for i in picked:
       leaves[i] = _leaf_layout(leaves[i], block_size, store_sqrt)
-    return QuantizedState(jax.tree.unflatten(treedef, leaves))
+    return QuantizedState(jax.tree.unflatten(treedef, leaves), count)
 
   def init_fn(params):
     inner_state = memo.record(params, wrapped.init(params))
@@ -386,14 +425,18 @@ def quantize_state(
       )
     return quantized(inner_state, params)
 
-  def requantized(template, new_state, like):
-    """``new_state`` quantised where ``template`` (the old state) was; the
-    leaves that belong to one parameter (Adam's ``mu`` and ``nu`` of it:
-    their paths end in its path) are encoded together (:func:`encode_many`)."""
+  def requantized(template, read, new_state, like, count):
+    """``new_state`` quantised where ``template`` (the old state, which the
+    inner update read decoded as ``read``) was, its unchanged blocks kept;
+    the leaves that belong to one parameter (Adam's ``mu`` and ``nu`` of
+    it: their paths end in its path) are encoded together
+    (:func:`encode_many`)."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(
       template, is_leaf=_is_quantized
     )
     out = treedef.flatten_up_to(new_state)
+    reads = treedef.flatten_up_to(read)
+    olds = [(t, x) for (_, t), x in zip(with_paths, reads, strict=True)]
     owners = {p for p, _ in jax.tree_util.tree_flatten_with_path(like)[0]}
     groups: dict = {}
     for i, (path, t) in enumerate(with_paths):
@@ -404,7 +447,14 @@ def quantize_state(
         key = (owner, tuple(out[i].shape), _tree.explicit_spec(out[i]))
         groups.setdefault(key, []).append(i)
     for idx in groups.values():
-      leaves = encode_many([out[i] for i in idx], block_size, store_sqrt, stochastic)
+      leaves = encode_many(
+        [out[i] for i in idx],
+        block_size,
+        store_sqrt,
+        stochastic,
+        step=count,
+        olds=[olds[i] for i in idx],
+      )
       for i, q in zip(idx, leaves, strict=True):
         out[i] = q
     return jax.tree.unflatten(treedef, out)
@@ -413,6 +463,12 @@ def quantize_state(
     _opt_state.check_state_type(
       "quantize_state", state, FlatQuantizedState if flat else QuantizedState
     )
+    if stochastic and state.count is None:
+      raise ValueError(
+        "quantize_state(rounding='stochastic'): the state has no step count "
+        "(a state of release 0.1, whose random numbers hashed no step). "
+        "Convert it with state._replace(count=jnp.zeros((), jnp.int32))."
+      )
     group_of = None
     if flat:  # the groups the state was made with, whatever the gradients' dtypes
       group_of = {
@@ -427,6 +483,7 @@ def quantize_state(
   def update_fn(updates, state, params=None, **extra_args):
     like = params if params is not None else updates
     check(state, like)
+    count = next_count(state.count)
     if flat:
       new_updates, new_inner, groups = _flat.flat_update(
         wrapped.update,
@@ -438,11 +495,13 @@ def quantize_state(
         block_size,
         store_sqrt,
         stochastic,
+        count,
       )
-      return new_updates, FlatQuantizedState(new_inner, groups)
+      return new_updates, FlatQuantizedState(new_inner, groups, count)
     inner_state = _dequantized(state.inner_state, cast=True)
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
-    return new_updates, QuantizedState(requantized(state.inner_state, new_inner, like))
+    new_inner = requantized(state.inner_state, inner_state, new_inner, like, count)
+    return new_updates, QuantizedState(new_inner, count)
 
   return StateQuantizer(
     init_fn,
@@ -457,6 +516,14 @@ def quantize_state(
     select=select,
     layout=layout,
   )
+
+
+def next_count(count: Any) -> Any:
+  """The step count after ``count`` (int32, wrapping past ``2**31 - 1``:
+  the random numbers need a new step, not an order), or None for None."""
+  if count is None:
+    return None
+  return jnp.asarray(count, jnp.int32) + jnp.int32(1)
 
 
 def _shapes(params: Any) -> set:
