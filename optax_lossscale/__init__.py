@@ -92,6 +92,12 @@ from optax_lossscale._params.quantize_state import GroupedLeaf as GroupedLeaf
 from optax_lossscale._params.quantize_state import QuantizedLeaf as QuantizedLeaf
 from optax_lossscale._params.quantize_state import QuantizedState as QuantizedState
 from optax_lossscale._params.quantize_state import StateQuantizer as StateQuantizer
+from optax_lossscale._params.quantize_state import (
+  StochasticFlatQuantizedState as StochasticFlatQuantizedState,
+)
+from optax_lossscale._params.quantize_state import (
+  StochasticQuantizedState as StochasticQuantizedState,
+)
 from optax_lossscale._params.quantize_state import dequantize_state as dequantize_state
 from optax_lossscale._params.quantize_state import quantize_state as quantize_state
 from optax_lossscale.porting import EmaParamsState as EmaParamsState
@@ -126,6 +132,8 @@ __all__ = (
   "QuantizedLeaf",
   "QuantizedState",
   "StateQuantizer",
+  "StochasticFlatQuantizedState",
+  "StochasticQuantizedState",
   "NonFiniteRecord",
   "NonFiniteReport",
   "NonFiniteStepsError",

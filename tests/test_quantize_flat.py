@@ -102,10 +102,13 @@ def _train(tx, params, steps=3):
   return params, state
 
 
+FLAT = (ols.FlatQuantizedState, ols.StochasticFlatQuantizedState)
+
+
 def _codes_by_leaf(state):
   """Each quantised leaf's codes and scales, flattened, by its path."""
   out = {}
-  if isinstance(state, ols.FlatQuantizedState):
+  if isinstance(state, FLAT):
     for path, x in jax.tree_util.tree_flatten_with_path(
       state.inner_state, is_leaf=lambda x: isinstance(x, ols.GroupedLeaf)
     )[0]:
@@ -152,7 +155,7 @@ def test_the_flat_layout_stores_and_computes_the_per_leaf_layouts_bits(name, rou
     )
     results[layout] = _train(tx, PARAMS)
   (p_leaf, s_leaf), (p_flat, s_flat) = results["leaf"], results["flat"]
-  assert isinstance(s_flat, ols.FlatQuantizedState)
+  assert isinstance(s_flat, FLAT)
   fma = (name, rounding) == ("inject_hyperparams(adam)", "stochastic")
   bfloat16 = EXACT and not fma  # the module's docstring
   _same(p_leaf, p_flat, bfloat16)

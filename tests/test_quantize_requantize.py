@@ -60,6 +60,7 @@ def _stored(state):
   return [np.asarray(a).tobytes() for q in stored for a in (q.codes, q.scales)]
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("layout", ["leaf", "flat"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -172,35 +173,51 @@ def test_adam_8bits_stochastic_rounding_draws_anew_each_step():
   assert ratio == pytest.approx(DECAY**60, rel=0.05)
 
 
+STATES = {
+  ("leaf", "nearest"): ols.QuantizedState,
+  ("flat", "nearest"): ols.FlatQuantizedState,
+  ("leaf", "stochastic"): ols.StochasticQuantizedState,
+  ("flat", "stochastic"): ols.StochasticFlatQuantizedState,
+}
+
+
 @pytest.mark.parametrize("layout", ["leaf", "flat"])
-def test_the_step_count_is_state_of_stochastic_rounding_only(layout):
+def test_stochastic_rounding_keeps_a_step_of_its_own(layout):
   params = {"w": jnp.zeros((64, 256))}
   g = {"w": jnp.ones((64, 256))}
   nearest = ols.quantize_state(optax.adam(1e-3), layout=layout)
   state = nearest.init(params)
-  assert state.count is None
-  # the form of release 0.1: its children and their key paths
-  paths = [
-    jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state)
-  ]
-  assert not any(".count" == p[: len(".count")] for p in paths)
+  assert type(state) is STATES[layout, "nearest"]  # release 0.1's form
   stochastic = ols.quantize_state(
     optax.adam(1e-3), rounding="stochastic", layout=layout
   )
   state = stochastic.init(params)
-  assert state.count.dtype == jnp.int32 and int(state.count) == 0
+  assert type(state) is STATES[layout, "stochastic"]
+  assert state.rounding_step.dtype == jnp.int32 and int(state.rounding_step) == 0
   for _ in range(3):
     state = jax.jit(stochastic.update)(g, state, params)[1]
-  assert int(state.count) == 3
+  assert int(state.rounding_step) == 3
+  # optax reads the step of the optimizer, not the rounding's
+  assert int(optax.tree_utils.tree_get(state, "count")) == 3
   # it wraps: the random numbers need a new step, not an order
-  state = state._replace(count=jnp.int32(2**31 - 1))
+  state = state._replace(rounding_step=jnp.int32(2**31 - 1))
   state = stochastic.update(g, state, params)[1]
-  assert int(state.count) == -(2**31)
-  # a state without one (release 0.1's) is refused, naming the conversion
-  with pytest.raises(ValueError, match=r"no step count.*_replace\(count="):
-    stochastic.update(g, state._replace(count=None), params)
-  converted = state._replace(count=None)._replace(count=jnp.zeros((), jnp.int32))
+  assert int(state.rounding_step) == -(2**31)
+  # a map to None (Orbax, equinox's partition) keeps the structure
+  nones = jax.tree.map(lambda x: None, state)
+  assert jax.tree.structure(jax.tree.map(lambda x, _: x, state, nones)) == (
+    jax.tree.structure(state)
+  )
+  # a state without the step (release 0.1's, or a nearest one's) is refused,
+  # naming the conversion, which works
+  old = STATES[layout, "nearest"](*state[:-1])
+  with pytest.raises(ValueError, match=r"without the step.*rounding_step=jnp.zeros"):
+    stochastic.update(g, old, params)
+  converted = STATES[layout, "stochastic"](*old, rounding_step=jnp.zeros((), jnp.int32))
   stochastic.update(g, converted, params)
+  # and a nearest transformation refuses a stochastic state
+  with pytest.raises(ValueError):
+    nearest.update(g, state, params)
 
 
 def test_a_skipped_step_keeps_the_step_count():

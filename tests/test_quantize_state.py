@@ -357,11 +357,14 @@ def test_the_step_reads_less_than_float32_adams(rounding):
   assert temp < 4 * n
 
 
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("layout", ["leaf", "flat"])
-def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path, layout):
+def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path, layout, rounding):
   ocp = pytest.importorskip("orbax.checkpoint")
   p0 = _params()
-  tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3), layout=layout))
+  tx = ols.dynamic_loss_scale(
+    ols.quantize_state(optax.adam(1e-3), layout=layout, rounding=rounding)
+  )
 
   @jax.jit
   def step(params, state, g):

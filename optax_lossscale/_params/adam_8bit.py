@@ -28,9 +28,9 @@ from optax_lossscale._base import validate as _validate
 from optax_lossscale._params import quantize_codec as _codec
 from optax_lossscale._params.quantize_state import (
   QuantizedLeaf,
-  QuantizedState,
   encode_many,
-  next_count,
+  made,
+  next_step,
   quantize_state,
 )
 
@@ -116,7 +116,8 @@ def adam_8bit(
 
   Returns:
     An :class:`Adam8bit` (an ``optax.GradientTransformationExtraArgs``)
-    whose state is a :class:`QuantizedState`.
+    whose state is :func:`quantize_state`'s (a :class:`QuantizedState`, or
+    rounded stochastically a :class:`StochasticQuantizedState`).
 
   Raises:
     ValueError: a bad hyper-parameter or ``kernel`` (and what
@@ -190,7 +191,8 @@ def adam_8bit(
       raise ValueError(
         "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."
       )
-    inner_state, count = state.inner_state, next_count(state.count)
+    inner_state = state.inner_state
+    count = next_step(state.rounding_step) if stochastic else None
     adam = inner_state[0]
     treedef = jax.tree.structure(updates)
     grads = treedef.flatten_up_to(updates)
@@ -248,7 +250,8 @@ def adam_8bit(
     head = head._replace(
       mu=jax.tree.unflatten(treedef, out_m), nu=jax.tree.unflatten(treedef, out_v)
     )
-    return jax.tree.unflatten(treedef, out_u), QuantizedState((head, *tail), count)
+    new_state = made(False, stochastic, (head, *tail), None, count)
+    return jax.tree.unflatten(treedef, out_u), new_state
 
   return Adam8bit(
     quantized.init,

@@ -61,6 +61,8 @@ __all__ = [
   "QuantizedLeaf",
   "QuantizedState",
   "StateQuantizer",
+  "StochasticFlatQuantizedState",
+  "StochasticQuantizedState",
   "dequantize_state",
   "dynamic_map",
   "quantize_state",
@@ -79,22 +81,21 @@ _LAYOUTS = ("leaf", "flat")
 
 
 class QuantizedState(NamedTuple):
-  """State of :func:`quantize_state`.
+  """State of :func:`quantize_state` (``rounding="stochastic"``: a
+  :class:`StochasticQuantizedState`).
 
   Attributes:
     inner_state: the wrapped transformation's state, each quantised leaf a
       :class:`QuantizedLeaf` (the others as the inner transformation made
       them).
-    count: with ``rounding="stochastic"``, the number of updates (int32,
-      wrapping), which the random numbers hash; ``None`` otherwise.
   """
 
   inner_state: Any
-  count: Any = None
 
 
 class FlatQuantizedState(NamedTuple):
-  """State of :func:`quantize_state` with ``layout="flat"``.
+  """State of :func:`quantize_state` with ``layout="flat"``
+  (``rounding="stochastic"``: a :class:`StochasticFlatQuantizedState`).
 
   Attributes:
     inner_state: the wrapped transformation's state, each quantised leaf a
@@ -103,39 +104,63 @@ class FlatQuantizedState(NamedTuple):
     groups: one :class:`QuantizedLeaf` of one dimension a moment field and
       dtype (Adam's ``mu`` of the float32 parameters), its leaves' blocks
       one after another.
-    count: as :class:`QuantizedState`'s.
   """
 
   inner_state: Any
   groups: tuple
-  count: Any = None
 
 
-def _count_when_given(cls: type) -> type:
-  """Registers NamedTuple ``cls`` as a pytree whose ``count`` is a child only
-  where it is not None: a state rounded to nearest has the children and key
-  paths it had before the count (an Orbax checkpoint of it restores)."""
-  fields = cls._fields
+class StochasticQuantizedState(NamedTuple):
+  """State of :func:`quantize_state` with ``rounding="stochastic"``.
 
-  def with_keys(state):
-    names = [f for f in fields if f != "count" or state.count is not None]
-    keyed = [(jax.tree_util.GetAttrKey(f), getattr(state, f)) for f in names]
-    return keyed, state.count is not None
+  Attributes:
+    inner_state: as :class:`QuantizedState`'s.
+    rounding_step: the number of updates (int32, wrapping past
+      ``2**31 - 1``), which the stochastic rounding's random numbers hash.
+  """
 
-  def unflatten(counted, children):
-    return cls(*children) if counted else cls(*children, None)
+  inner_state: Any
+  rounding_step: Any
 
-  jax.tree_util.register_pytree_with_keys(
-    cls,
-    with_keys,
-    unflatten,
-    lambda state: ([x for _, x in with_keys(state)[0]], state.count is not None),
+
+class StochasticFlatQuantizedState(NamedTuple):
+  """State of :func:`quantize_state` with ``layout="flat"`` and
+  ``rounding="stochastic"``.
+
+  Attributes:
+    inner_state, groups: as :class:`FlatQuantizedState`'s.
+    rounding_step: as :class:`StochasticQuantizedState`'s.
+  """
+
+  inner_state: Any
+  groups: tuple
+  rounding_step: Any
+
+
+#: Every type of a quantize_state state; the flat layout's.
+_STATES = (
+  QuantizedState,
+  FlatQuantizedState,
+  StochasticQuantizedState,
+  StochasticFlatQuantizedState,
+)
+_FLAT_STATES = (FlatQuantizedState, StochasticFlatQuantizedState)
+
+
+def state_type(flat: bool, stochastic: bool) -> type:
+  """The type of the state :func:`quantize_state` makes with these options."""
+  if flat:
+    return StochasticFlatQuantizedState if stochastic else FlatQuantizedState
+  return StochasticQuantizedState if stochastic else QuantizedState
+
+
+def made(flat: bool, stochastic: bool, inner_state, groups, step) -> Any:
+  """A state of :func:`state_type` (``groups`` for the flat layout, ``step``
+  for stochastic rounding; each ignored otherwise)."""
+  fields = (
+    (inner_state,) + ((groups,) if flat else ()) + ((step,) if stochastic else ())
   )
-  return cls
-
-
-_count_when_given(QuantizedState)
-_count_when_given(FlatQuantizedState)
+  return state_type(flat, stochastic)(*fields)
 
 
 @_tree.rebuilt_as_itself
@@ -233,7 +258,7 @@ def quantize_state(
   to one of the two map values around it at random, up with probability
   its distance from the lower one over their gap (its code then is right
   on average); the random numbers hash each element's index, its new value
-  and the update's step count (the state's ``count``), so each update
+  and the update's step (the state's ``rounding_step``), so each update
   draws anew and no key is carried. Rounded to nearest, a moment that
   moves by less than half the gap between its codes in a step keeps its
   code (Lion's momentum stalls: use ``"stochastic"`` there). ``update``
@@ -279,7 +304,9 @@ def quantize_state(
   Returns:
     A :class:`StateQuantizer` (an ``optax.GradientTransformationExtraArgs``)
     whose state is a :class:`QuantizedState` (``"flat"``: a
-    :class:`FlatQuantizedState`).
+    :class:`FlatQuantizedState`; rounded stochastically, a
+    :class:`StochasticQuantizedState` or a
+    :class:`StochasticFlatQuantizedState`, which add the step).
 
   Raises:
     ValueError: a bad ``bits``, ``block_size``, ``min_size``,
@@ -293,8 +320,9 @@ def quantize_state(
       them: pass ``select``);
       ``update`` with a state made for other parameters or by another
       transformation, or whose codes or scales changed dtype (naming the
-      leaf), with a stochastic state of release 0.1 (no ``count``: the
-      message says how to add one), and where the inner update makes a complex value of a
+      leaf), with a stochastic state of release 0.1 (a
+      :class:`QuantizedState`, no ``rounding_step``: the message says how to
+      add one), and where the inner update makes a complex value of a
       quantised leaf; with ``layout="flat"``, ``update`` where gradients or
       parameters of quantised leaves are sharded explicitly, or where the
       inner update makes the leaves of one group in several dtypes (a
@@ -378,20 +406,26 @@ def quantize_state(
     return out
 
   def quantized(inner_state, params):
-    leaves, treedef = jax.tree.flatten(inner_state)
     picked = chosen(inner_state, _shapes(params))
-    for i in picked:  # a Python float chosen: the array jit would make of it
-      leaves[i] = jnp.asarray(leaves[i])
+    # A chosen leaf as an array (a Python float: the array jit would make of
+    # it), out of the nnx variable that holds it where the parameters were
+    # nnx variables (nnx.Optimizer's init): a variable holds an array, and
+    # nnx.Optimizer's update would write a QuantizedLeaf's fields into it.
+    leaves, treedef = jax.tree.flatten(inner_state, is_leaf=_tree.is_variable)
+    if len(leaves) != len(jax.tree.leaves(inner_state)):  # not one array a variable
+      leaves, treedef = jax.tree.flatten(inner_state)
+    for i in picked:
+      leaves[i] = jnp.asarray(_tree.unwrap(leaves[i]))
     inner_state = jax.tree.unflatten(treedef, leaves)
-    count = jnp.zeros((), jnp.int32) if stochastic else None
+    step = jnp.zeros((), jnp.int32) if stochastic else None
     if flat:
       state, coded = _flat.encoded(
-        inner_state, picked, params, block_size, store_sqrt, stochastic, count
+        inner_state, picked, params, block_size, store_sqrt, stochastic, step
       )
-      return FlatQuantizedState(state, coded, count)
+      return made(flat, stochastic, state, coded, step)
     for i in picked:
-      leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic, count)
-    return QuantizedState(jax.tree.unflatten(treedef, leaves), count)
+      leaves[i] = encode(leaves[i], block_size, store_sqrt, stochastic, step)
+    return made(flat, stochastic, jax.tree.unflatten(treedef, leaves), None, step)
 
   def expected(params, group_of=None):
     """The state ``init_fn(params)`` makes, abstract, without encoding
@@ -400,15 +434,15 @@ def quantize_state(
     inner_state = memo.made(params)  # init is not traced again
     leaves, treedef = jax.tree.flatten(inner_state)
     picked = chosen(inner_state, _shapes(params))
-    count = jax.ShapeDtypeStruct((), jnp.int32) if stochastic else None
+    step = jax.ShapeDtypeStruct((), jnp.int32)
     if flat:
       state, groups = _flat.grouped(
         inner_state, picked, params, block_size, store_sqrt, group_of
       )
-      return FlatQuantizedState(state, tuple(g for _, g in groups), count)
+      return made(flat, stochastic, state, tuple(g for _, g in groups), step)
     for i in picked:
       leaves[i] = _leaf_layout(leaves[i], block_size, store_sqrt)
-    return QuantizedState(jax.tree.unflatten(treedef, leaves), count)
+    return made(flat, stochastic, jax.tree.unflatten(treedef, leaves), None, step)
 
   def init_fn(params):
     inner_state = memo.record(params, wrapped.init(params))
@@ -425,7 +459,7 @@ def quantize_state(
       )
     return quantized(inner_state, params)
 
-  def requantized(template, read, new_state, like, count):
+  def requantized(template, read, new_state, like, step):
     """``new_state`` quantised where ``template`` (the old state, which the
     inner update read decoded as ``read``) was, its unchanged blocks kept;
     the leaves that belong to one parameter (Adam's ``mu`` and ``nu`` of
@@ -452,7 +486,7 @@ def quantize_state(
         block_size,
         store_sqrt,
         stochastic,
-        step=count,
+        step=step,
         olds=[olds[i] for i in idx],
       )
       for i, q in zip(idx, leaves, strict=True):
@@ -460,15 +494,15 @@ def quantize_state(
     return jax.tree.unflatten(treedef, out)
 
   def check(state, like):
-    _opt_state.check_state_type(
-      "quantize_state", state, FlatQuantizedState if flat else QuantizedState
-    )
-    if stochastic and state.count is None:
+    want = state_type(flat, stochastic)
+    if stochastic and type(state) is state_type(flat, False):
       raise ValueError(
-        "quantize_state(rounding='stochastic'): the state has no step count "
-        "(a state of release 0.1, whose random numbers hashed no step). "
-        "Convert it with state._replace(count=jnp.zeros((), jnp.int32))."
+        f"quantize_state(rounding='stochastic'): the state is a "
+        f"{type(state).__name__}, without the step its random numbers hash "
+        f"(a state of release 0.1, or one rounded to nearest). Convert it with "
+        f"ols.{want.__name__}(*state, rounding_step=jnp.zeros((), jnp.int32))."
       )
+    _opt_state.check_state_type("quantize_state", state, want)
     group_of = None
     if flat:  # the groups the state was made with, whatever the gradients' dtypes
       group_of = {
@@ -483,7 +517,7 @@ def quantize_state(
   def update_fn(updates, state, params=None, **extra_args):
     like = params if params is not None else updates
     check(state, like)
-    count = next_count(state.count)
+    step = next_step(state.rounding_step) if stochastic else None
     if flat:
       new_updates, new_inner, groups = _flat.flat_update(
         wrapped.update,
@@ -495,13 +529,13 @@ def quantize_state(
         block_size,
         store_sqrt,
         stochastic,
-        count,
+        step,
       )
-      return new_updates, FlatQuantizedState(new_inner, groups, count)
+      return new_updates, made(flat, stochastic, new_inner, groups, step)
     inner_state = _dequantized(state.inner_state, cast=True)
     new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
-    new_inner = requantized(state.inner_state, inner_state, new_inner, like, count)
-    return new_updates, QuantizedState(new_inner, count)
+    new_inner = requantized(state.inner_state, inner_state, new_inner, like, step)
+    return new_updates, made(flat, stochastic, new_inner, None, step)
 
   return StateQuantizer(
     init_fn,
@@ -518,12 +552,10 @@ def quantize_state(
   )
 
 
-def next_count(count: Any) -> Any:
-  """The step count after ``count`` (int32, wrapping past ``2**31 - 1``:
-  the random numbers need a new step, not an order), or None for None."""
-  if count is None:
-    return None
-  return jnp.asarray(count, jnp.int32) + jnp.int32(1)
+def next_step(step: Any) -> jax.Array:
+  """The rounding step after ``step`` (int32, wrapping past ``2**31 - 1``:
+  the random numbers need a new step, not an order)."""
+  return jnp.asarray(step, jnp.int32) + jnp.int32(1)
 
 
 def _shapes(params: Any) -> set:
@@ -618,8 +650,7 @@ def dequantize_state(state: Any) -> Any:
     ValueError: ``state`` holds no quantised leaf.
   """
   state = _opt_state.optimizer_state(state)
-  states = (QuantizedState, FlatQuantizedState)
-  is_q = lambda x: isinstance(x, states) or _is_quantized(x)  # noqa: E731
+  is_q = lambda x: isinstance(x, _STATES) or _is_quantized(x)  # noqa: E731
   if not _tree.find_all(state, is_q):
     raise ValueError(
       f"dequantize_state: the state (a {type(state).__name__}) holds no "
@@ -627,9 +658,9 @@ def dequantize_state(state: Any) -> Any:
     )
 
   def node(x):
-    if isinstance(x, FlatQuantizedState):
+    if isinstance(x, _FLAT_STATES):
       return _flat.dequantized(x.inner_state, x.groups, cast=False)
-    if isinstance(x, QuantizedState):
+    if isinstance(x, _STATES):
       return _dequantized(x.inner_state, cast=False)
     return _dequantized(x, cast=False)
 
