@@ -302,8 +302,9 @@ def _nnx_optimizer(form):
 
 @pytest.mark.parametrize("form", FORMS)
 def test_an_nnx_optimizer_is_read_like_its_state(form):
-  # nnx.Optimizer keeps each state leaf (a quantised one whole) in a
-  # variable: every reader sees the same as on the plain state.
+  # nnx.Optimizer keeps each state array (a quantised leaf's codes and
+  # scales too) in a variable: every reader sees the same as on the plain
+  # state.
   nnx, model, optimizer = _nnx_optimizer(form)
   plain = jax.tree.map(
     lambda x: x.get_value() if hasattr(x, "get_value") else x,

@@ -28,6 +28,8 @@ from optax_lossscale._base import validate as _validate
 from optax_lossscale._params import quantize_codec as _codec
 from optax_lossscale._params.quantize_state import (
   QuantizedLeaf,
+  as_given,
+  as_stored,
   encode_many,
   made,
   next_step,
@@ -191,7 +193,9 @@ def adam_8bit(
       raise ValueError(
         "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."
       )
-    inner_state = state.inner_state
+    # on arrays (nnx variables taken out), as quantize_state's update
+    given, updates, params = updates, *map(_tree.unwrap_variables, (updates, params))
+    inner_state = _tree.unwrap_variables(state.inner_state)
     count = next_step(state.rounding_step) if stochastic else None
     adam = inner_state[0]
     treedef = jax.tree.structure(updates)
@@ -250,8 +254,9 @@ def adam_8bit(
     head = head._replace(
       mu=jax.tree.unflatten(treedef, out_m), nu=jax.tree.unflatten(treedef, out_v)
     )
-    new_state = made(False, stochastic, (head, *tail), None, count)
-    return jax.tree.unflatten(treedef, out_u), new_state
+    new_inner = as_stored((head, *tail), state.inner_state)
+    new_state = made(False, stochastic, new_inner, None, count)
+    return as_given(jax.tree.unflatten(treedef, out_u), given), new_state
 
   return Adam8bit(
     quantized.init,

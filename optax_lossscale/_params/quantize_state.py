@@ -374,7 +374,10 @@ def quantize_state(
   memo = InitMemo(wrapped.init)
 
   def chosen(inner_state, shapes) -> list[int]:
-    """The indices (in ``jax.tree.leaves`` order) of the leaves to quantise."""
+    """The indices (in ``jax.tree.leaves`` order) of the leaves to quantise,
+    chosen by their paths in the state as ``update`` sees it (without nnx
+    variables)."""
+    inner_state = _tree.unwrap_variables(inner_state)
     with_paths = jax.tree_util.tree_flatten_with_path(inner_state)[0]
     sized = [
       _floating(x) and np.size(x) >= min_size and np.size(x) > 0 for _, x in with_paths
@@ -407,20 +410,18 @@ def quantize_state(
 
   def quantized(inner_state, params):
     picked = chosen(inner_state, _shapes(params))
-    # A chosen leaf as an array (a Python float: the array jit would make of
-    # it), out of the nnx variable that holds it where the parameters were
-    # nnx variables (nnx.Optimizer's init): a variable holds an array, and
-    # nnx.Optimizer's update would write a QuantizedLeaf's fields into it.
-    leaves, treedef = jax.tree.flatten(inner_state, is_leaf=_tree.is_variable)
-    if len(leaves) != len(jax.tree.leaves(inner_state)):  # not one array a variable
-      leaves, treedef = jax.tree.flatten(inner_state)
-    for i in picked:
-      leaves[i] = jnp.asarray(_tree.unwrap(leaves[i]))
-    inner_state = jax.tree.unflatten(treedef, leaves)
+    inner_state = _out_of_variables(inner_state, picked, jnp.asarray)
+    leaves, treedef = jax.tree.flatten(inner_state)
     step = jnp.zeros((), jnp.int32) if stochastic else None
     if flat:
       state, coded = _flat.encoded(
-        inner_state, picked, params, block_size, store_sqrt, stochastic, step
+        inner_state,
+        picked,
+        _tree.unwrap_variables(params),
+        block_size,
+        store_sqrt,
+        stochastic,
+        step,
       )
       return made(flat, stochastic, state, coded, step)
     for i in picked:
@@ -432,12 +433,18 @@ def quantize_state(
     anything: the quantised leaves' layouts follow from their shapes (the
     flat layout's groups from ``group_of``, where given: see ``grouped``)."""
     inner_state = memo.made(params)  # init is not traced again
-    leaves, treedef = jax.tree.flatten(inner_state)
     picked = chosen(inner_state, _shapes(params))
+    inner_state = _out_of_variables(inner_state, picked, lambda x: x)
+    leaves, treedef = jax.tree.flatten(inner_state)
     step = jax.ShapeDtypeStruct((), jnp.int32)
     if flat:
       state, groups = _flat.grouped(
-        inner_state, picked, params, block_size, store_sqrt, group_of
+        inner_state,
+        picked,
+        _tree.unwrap_variables(params),
+        block_size,
+        store_sqrt,
+        group_of,
       )
       return made(flat, stochastic, state, tuple(g for _, g in groups), step)
     for i in picked:
@@ -515,14 +522,18 @@ def quantize_state(
     _check_layout(expected(like, group_of), state)
 
   def update_fn(updates, state, params=None, **extra_args):
-    like = params if params is not None else updates
-    check(state, like)
+    check(state, params if params is not None else updates)
     step = next_step(state.rounding_step) if stochastic else None
+    # The inner update runs on arrays (nnx variables taken out), its state
+    # given back in the stored one's variables.
+    given, updates, params = updates, *map(_tree.unwrap_variables, (updates, params))
+    like = params if params is not None else updates
+    stored = _tree.unwrap_variables(state.inner_state)
     if flat:
       new_updates, new_inner, groups = _flat.flat_update(
         wrapped.update,
         updates,
-        state.inner_state,
+        stored,
         state.groups,
         params,
         extra_args,
@@ -531,11 +542,15 @@ def quantize_state(
         stochastic,
         step,
       )
-      return new_updates, made(flat, stochastic, new_inner, groups, step)
-    inner_state = _dequantized(state.inner_state, cast=True)
-    new_updates, new_inner = wrapped.update(updates, inner_state, params, **extra_args)
-    new_inner = requantized(state.inner_state, inner_state, new_inner, like, step)
-    return new_updates, made(flat, stochastic, new_inner, None, step)
+    else:
+      groups, inner_state = None, _dequantized(stored, cast=True)
+      new_updates, new_inner = wrapped.update(
+        updates, inner_state, params, **extra_args
+      )
+      new_inner = requantized(stored, inner_state, new_inner, like, step)
+    new_inner = as_stored(new_inner, state.inner_state)
+    new_state = made(flat, stochastic, new_inner, groups, step)
+    return as_given(new_updates, given), new_state
 
   return StateQuantizer(
     init_fn,
@@ -550,6 +565,41 @@ def quantize_state(
     select=select,
     layout=layout,
   )
+
+
+def _out_of_variables(inner_state: Any, picked: list, as_array: Callable) -> Any:
+  """``inner_state`` with each leaf of ``picked`` (indices in
+  ``jax.tree.leaves`` order) ``as_array`` of its value, out of the nnx
+  variable holding it (where the parameters ``init`` was given were nnx
+  variables, as ``nnx.Optimizer`` gives them): a variable holds an array,
+  and ``nnx.Optimizer``'s update would write a QuantizedLeaf's fields into
+  it."""
+  leaves, treedef = jax.tree.flatten(inner_state, is_leaf=_tree.is_variable)
+  if len(leaves) != len(jax.tree.leaves(inner_state)):  # not one array a variable
+    leaves, treedef = jax.tree.flatten(inner_state)
+  for i in picked:
+    leaves[i] = as_array(_tree.unwrap(leaves[i]))
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def as_stored(new_inner: Any, stored: Any) -> Any:
+  """``new_inner``, an inner state of arrays and quantised leaves, in the nnx
+  variables of ``stored`` (the state it updates; as it is where ``stored``
+  holds none)."""
+  treedef = jax.tree.structure(stored, is_leaf=_is_stored)
+  leaves = jax.tree.leaves(new_inner, is_leaf=_is_stored)
+  if treedef.num_leaves != len(leaves):
+    return new_inner
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def as_given(new_updates: Any, given: Any) -> Any:
+  """``new_updates`` in the nnx variables of the updates ``given``."""
+  if not any(
+    _tree.is_variable(x) for x in jax.tree.leaves(given, is_leaf=_tree.is_variable)
+  ):
+    return new_updates
+  return jax.tree.unflatten(jax.tree.structure(given), jax.tree.leaves(new_updates))
 
 
 def next_step(step: Any) -> jax.Array:
@@ -649,7 +699,9 @@ def dequantize_state(state: Any) -> Any:
   Raises:
     ValueError: ``state`` holds no quantised leaf.
   """
-  state = _opt_state.optimizer_state(state)
+  # nnx.Optimizer's state: each array (a quantised leaf's codes and scales
+  # too) in a variable
+  state = _tree.unwrap_variables(_opt_state.optimizer_state(state))
   is_q = lambda x: isinstance(x, _STATES) or _is_quantized(x)  # noqa: E731
   if not _tree.find_all(state, is_q):
     raise ValueError(
