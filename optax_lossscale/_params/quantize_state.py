@@ -588,18 +588,21 @@ def as_stored(new_inner: Any, stored: Any) -> Any:
   holds none)."""
   treedef = jax.tree.structure(stored, is_leaf=_is_stored)
   leaves = jax.tree.leaves(new_inner, is_leaf=_is_stored)
-  if treedef.num_leaves != len(leaves):
+  if not _holds_variables(stored) or treedef.num_leaves != len(leaves):
     return new_inner
   return jax.tree.unflatten(treedef, leaves)
 
 
 def as_given(new_updates: Any, given: Any) -> Any:
-  """``new_updates`` in the nnx variables of the updates ``given``."""
-  if not any(
-    _tree.is_variable(x) for x in jax.tree.leaves(given, is_leaf=_tree.is_variable)
-  ):
+  """``new_updates`` in the nnx variables of the updates ``given`` (as they
+  are where ``given`` holds none)."""
+  if not _holds_variables(given):
     return new_updates
   return jax.tree.unflatten(jax.tree.structure(given), jax.tree.leaves(new_updates))
+
+
+def _holds_variables(tree: Any) -> bool:
+  return any(map(_tree.is_variable, jax.tree.leaves(tree, is_leaf=_tree.is_variable)))
 
 
 def next_step(step: Any) -> jax.Array:
