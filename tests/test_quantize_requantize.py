@@ -220,6 +220,45 @@ def test_stochastic_rounding_keeps_a_step_of_its_own(layout):
     nearest.update(g, state, params)
 
 
+NOT_STEPS = {
+  "a float32 array": jnp.float32(3.0),
+  "a Python float": 3.0,
+  "a bool": True,
+  "a boolean array": jnp.array(True),
+  "a vector": jnp.zeros(2, jnp.int32),
+  "None": None,
+}
+
+
+@pytest.mark.parametrize("what", NOT_STEPS)
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: ols.quantize_state(optax.adam(1e-3), rounding="stochastic"),
+    lambda: ols.quantize_state(optax.adam(1e-3), rounding="stochastic", layout="flat"),
+    lambda: ols.adam_8bit(1e-3, rounding="stochastic"),
+  ],
+  ids=["leaf", "flat", "adam_8bit"],
+)
+def test_a_step_that_is_not_an_integer_scalar_is_refused(make, what):
+  """A float step would be cast (3.7 hashed as 3) and a vector broadcast
+  into other random numbers: the state is refused, eagerly and under jit."""
+  params = {"w": jnp.zeros((64, 256))}
+  g = {"w": jnp.ones((64, 256))}
+  tx = make()
+  state = tx.init(params)
+  bad = state._replace(rounding_step=NOT_STEPS[what])
+  with pytest.raises(ValueError, match="rounding_step must be an integer scalar"):
+    tx.update(g, bad, params)
+  if what != "None":
+    with pytest.raises(ValueError, match="rounding_step must be an integer scalar"):
+      jax.jit(tx.update)(g, bad, params)
+  # integer scalars of any width are steps (a restored int64, a Python int)
+  for step in (5, np.int64(5), jnp.uint32(5)):
+    new = tx.update(g, state._replace(rounding_step=step), params)[1]
+    assert new.rounding_step.dtype == jnp.int32 and int(new.rounding_step) == 6
+
+
 def test_a_skipped_step_keeps_the_step_count():
   params = {"w": jnp.zeros((64, 256))}
   tx = ols.dynamic_loss_scale(

@@ -510,6 +510,8 @@ def quantize_state(
         f"ols.{want.__name__}(*state, rounding_step=jnp.zeros((), jnp.int32))."
       )
     _opt_state.check_state_type("quantize_state", state, want)
+    if stochastic:
+      _check_rounding_step(state.rounding_step)
     group_of = None
     if flat:  # the groups the state was made with, whatever the gradients' dtypes
       group_of = {
@@ -603,6 +605,24 @@ def as_given(new_updates: Any, given: Any) -> Any:
 
 def _holds_variables(tree: Any) -> bool:
   return any(map(_tree.is_variable, jax.tree.leaves(tree, is_leaf=_tree.is_variable)))
+
+
+def _check_rounding_step(step: Any) -> None:
+  """A stochastic state's ``rounding_step`` is an integer scalar: a float
+  (one a hand-made or converted state holds) would be cast and a vector
+  broadcast into other random numbers, silently."""
+  dtype = None if isinstance(step, bool) else getattr(step, "dtype", None)
+  if dtype is None and isinstance(step, int) and not isinstance(step, bool):
+    dtype = np.dtype(np.int32)
+  if dtype is None or not jnp.issubdtype(dtype, jnp.integer) or np.ndim(step):
+    what = (
+      f"{type(step).__name__}" if dtype is None else f"{dtype}{list(np.shape(step))}"
+    )
+    raise ValueError(
+      f"quantize_state(rounding='stochastic'): the state's rounding_step must be "
+      f"an integer scalar (an int32 count), got {what}. Give it "
+      f"jnp.zeros((), jnp.int32), or the count the state was saved with."
+    )
 
 
 def next_step(step: Any) -> jax.Array:
