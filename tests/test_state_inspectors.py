@@ -330,3 +330,32 @@ def test_an_nnx_optimizer_is_read_like_its_state(form):
   with pytest.raises(ValueError, match="Refusing to save") as e:
     ols.check_checkpoint(bad)
   assert ".scales" not in str(e.value)
+
+
+NOT_ARRAYS = {"a Python float": 0.5, "a Python int": 1, "a string": "w"}
+
+
+@pytest.mark.parametrize("where", ["top", "nested"])
+@pytest.mark.parametrize("leaf", NOT_ARRAYS)
+def test_the_plan_refuses_the_leaves_update_refuses(leaf, where):
+  # The plan describes what update does with each leaf: a leaf update
+  # refuses gets no row of the plan (an "own dtype" row would say it is
+  # unscaled and checked), but update's error.
+  params = _params(jnp.float32)
+  tx = ols.dynamic_loss_scale(ols.master_weights(optax.adam(LR)))
+  state = tx.init(params)
+  grads = _grads(jnp.float32)
+  if where == "top":
+    grads["b"] = NOT_ARRAYS[leaf]
+  else:
+    grads["b"] = [grads["b"], NOT_ARRAYS[leaf]]
+  with pytest.raises(ValueError, match="not an array") as planned:
+    ols.loss_scale_plan(state, grads)
+  with pytest.raises(ValueError, match="not an array") as updated:
+    tx.update(grads, state, params if where == "top" else None)
+  assert str(planned.value) == str(updated.value)
+  grads["b"] = jnp.ones(3)
+  assert [x.path for x in ols.loss_scale_plan(state, grads).leaves] == [
+    "['b']",
+    "['w']",
+  ]

@@ -128,6 +128,10 @@ def loss_scale_plan(opt_state: Any, grads: Any) -> LossScalePlan:
   Returns:
     A :class:`LossScalePlan`; ``print`` it for a table.
 
+  Raises:
+    ValueError: a leaf of ``grads`` is not an array (a Python number), as
+      ``update`` refuses it: the plan is made for what ``update`` takes only.
+
   Example:
     >>> import jax.numpy as jnp, optax, optax_lossscale as ols
     >>> params = {"w": jnp.ones((2, 3), jnp.bfloat16), "b": jnp.ones(3)}
@@ -141,7 +145,9 @@ def loss_scale_plan(opt_state: Any, grads: Any) -> LossScalePlan:
     _opt_state.optimizer_state(opt_state)
   ).inner_state
   # nnx gradients (an nnx.State of variables) reach update as their arrays
-  return plan_of(_tree.unwrap_variables(inner_state), _tree.unwrap_variables(grads))
+  grads = _tree.unwrap_variables(grads)
+  _tree.array_leaves(grads)  # update's check: it takes no other leaves
+  return plan_of(_tree.unwrap_variables(inner_state), grads)
 
 
 def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
