@@ -231,7 +231,7 @@ def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):
   to the half dtype. Otherwise the result is half, or float32 where every
   reader reads float32 (attention's logits before the softmax; its
   derivatives products in bfloat16 or float32, :func:`_derivatives_in`). A recipe
-  (``matmul=``) runs every ``dot_general`` of 16- or 32-bit real operands
+  (``matmul=``) runs every ``dot_general`` of real operands of 16 bits or more
   it does not keep, its result in the dtype just chosen: kept by structural
   role or module path (:func:`_block_matmul.kept`), or (where the recipe's
   ``attention`` is off) by being attention's

@@ -118,7 +118,8 @@ def autocast(
   a Python attribute it sets, is a ``ValueError``, not a dropped write.
 
   With ``matmul="float8"`` (or a :class:`Float8Matmul`), every
-  ``dot_general`` with two real 16- or 32-bit floating operands that the
+  ``dot_general`` with two real floating operands of 16 bits or more
+  (float64 too: autocast casts all float32-or-wider work) that the
   recipe does not keep (as below) runs in float8 with current per-tensor
   scaling (forward ``float8_e4m3fn``, output gradient
   ``float8_e5m2``, float32 accumulation, a ``custom_vjp`` per matmul; see
