@@ -33,8 +33,14 @@ Not part of the report's tables; each probe prints what it measured:
   written and with every leaf raveled before it is combined (the former
   check): what a chain of reshapes costs.
 
+* split: CPU seconds (all threads) to trace, lower and compile the loss
+  scale's update step on that tree, with the finite check as written and
+  replaced by a read of one entry (what the check costs in the step), and
+  one reduction compiled alone on integer words (how the check tests bits)
+  and on float32 values: where the loss scale's compile time goes.
+
 Run:  python benchmarks/probes.py [read] [mlp] [f16] [kernels] [faults] [jitted]
-[compile] [trace] [rounds] (no argument: all nine).
+[compile] [trace] [rounds] [split] (no argument: all ten).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ import train_step
 import variants
 from _harness import bytes_accessed, median_ms
 from jax import lax
-from leaves import per_leaf_check
+from leaves import _with_unused_check, per_leaf_check
 
 import optax_lossscale as ols
 from optax_lossscale._loss_scale import config as _config
@@ -413,6 +419,85 @@ def probe_rounds(rounds=3):
       print(f"  {name}, check {check}: {', '.join(cells)}")
 
 
+def _one_entry_check(leaves, chunk=None, bad=None):
+  """A stand-in for the finite check that reads one entry: the loss scale's
+  step without the check's compile time (not a check)."""
+  del chunk
+  x = jnp.ravel(leaves[0])[0]
+  flag = x == x
+  return flag if bad is None else flag & ~bad
+
+
+def _cpu_compile_s(make, params, grads, tag):
+  """CPU seconds (all threads) to trace and lower, and to compile, the
+  update step of ``make()``; ``tag`` makes the program new to JAX's caches."""
+  tx = make()
+  state = tx.init(params)
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s, np.int32(tag)
+
+  start = time.process_time()
+  lowered = jax.jit(step, donate_argnums=(0, 1)).trace(params, state, grads).lower()
+  middle = time.process_time()
+  lowered.compile()
+  return middle - start, time.process_time() - middle
+
+
+def probe_split(rounds=3):
+  """Where the loss scale's compile time goes: the 149-leaf step's CPU
+  seconds (in Python, tracing and lowering, and in XLA), with the finite
+  check as written and replaced by a read of one entry, and one
+  reduction's, on integer and on float words."""
+  from gpu_transformer import init_decoder
+
+  params = init_decoder(jax.random.key(0), vocab=256, d_model=128, layers=12, seq=64)
+  grads = jax.tree.map(lambda p: p * 1e-3, params)
+  rows = {
+    "adam": lambda: optax.adam(w.LR),
+    "adam + an unused finite check": lambda: _with_unused_check(optax.adam(w.LR)),
+    "dynamic_loss_scale(adam)": lambda: ols.dynamic_loss_scale(optax.adam(w.LR)),
+    "dynamic_loss_scale(adam), one entry checked": lambda: ols.dynamic_loss_scale(
+      optax.adam(w.LR)
+    ),
+  }
+  seconds = {name: [] for name in rows}
+  for r in range(rounds):
+    for i, (name, make) in enumerate(rows.items()):
+      saved = _finite.leaves_finite
+      if name.endswith("one entry checked"):
+        _finite.leaves_finite = _one_entry_check
+      try:
+        seconds[name].append(_cpu_compile_s(make, params, grads, r * len(rows) + i))
+      finally:
+        _finite.leaves_finite = saved
+  base = min(sum(t) for t in seconds["adam"])
+  print(
+    f"CPU seconds to trace, lower and compile the update step ({rounds} "
+    f"rounds, each a new program; the least total, its ratio to adam's, "
+    f"and that round's trace + lower / compile), "
+    f"{len(jax.tree.leaves(params))} leaves:"
+  )
+  for name, times in seconds.items():
+    python, xla = min(times, key=sum)
+    total = python + xla
+    print(f"  {name}: {total:.2f} s ({total / base:.2f}): {python:.2f} / {xla:.2f}")
+  x = jnp.ones((128, 384))
+  words = {
+    "uint32 exponent bits": lambda x: jnp.max(_bits(x)),
+    "float32 values": jnp.max,
+  }
+  print("one reduction of a float32 [128, 384] compiled alone (CPU seconds, least):")
+  for name, f in words.items():
+    times = []
+    for r in range(rounds):
+      start = time.process_time()
+      jax.jit(lambda x, f=f, r=r: (f(x), np.int32(r))).lower(x).compile()
+      times.append(time.process_time() - start)
+    print(f"  {name}: {min(times):.3f} s")
+
+
 def main(argv):
   which = argv or [
     "read",
@@ -424,6 +509,7 @@ def main(argv):
     "compile",
     "trace",
     "rounds",
+    "split",
   ]
   if "read" in which:
     probe_read()
@@ -443,6 +529,8 @@ def main(argv):
     probe_trace()
   if "rounds" in which:
     probe_rounds()
+  if "split" in which:
+    probe_split()
 
 
 if __name__ == "__main__":
