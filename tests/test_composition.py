@@ -214,6 +214,101 @@ def test_loss_scale_inside_inject_hyperparams():
   assert float(ols.get_scale(state)) == SCALE / 2
 
 
+#: dynamic_loss_scale's numeric arguments, and values other than the defaults.
+NUMERIC = {
+  "initial_scale": SCALE,
+  "growth_interval": 2,
+  "growth_factor": 4.0,
+  "backoff_factor": 0.25,
+  "min_scale": 2.0,
+  "max_scale": 2.0**12,
+  "hysteresis": 2,
+}
+
+
+def test_the_loss_scale_as_inject_hyperparams_function():
+  """optax.inject_hyperparams(dynamic_loss_scale): every numeric argument,
+  integers included, arrives as a concrete array at init and in an eager
+  update (taken as its number), and traced in a jitted one (refused, naming
+  static_args; with static_args naming them, it is the plain loss scale)."""
+  params = _params()
+  plain = ols.dynamic_loss_scale(optax.sgd(0.1), **NUMERIC)
+  injected = optax.inject_hyperparams(ols.dynamic_loss_scale)(optax.sgd(0.1), **NUMERIC)
+  static = optax.inject_hyperparams(ols.dynamic_loss_scale, static_args=tuple(NUMERIC))(
+    optax.sgd(0.1), **NUMERIC
+  )
+  states = [tx.init(params) for tx in (plain, injected, static)]
+  assert sorted(states[1].hyperparams) == sorted(NUMERIC)
+  updates = [
+    lambda g, s: plain.update(g, s, params),
+    lambda g, s: injected.update(g, s, params),  # eagerly: concrete arrays
+    lambda g, s: jax.jit(static.update)(g, s, params),
+  ]
+  for value in [1.0, None, None, 2.0, 3.0, 4.0]:  # skips, a back-off, growth
+    scale = float(ols.get_scale(states[0]))
+    g = _grads(params, 1.0 if value is None else value, scale)
+    g = _poison(g) if value is None else g
+    outs = [update(g, s) for update, s in zip(updates, states, strict=True)]
+    states = [s for _, s in outs]
+    for u, s in outs[1:]:
+      chex.assert_trees_all_equal(u, outs[0][0])
+      assert float(ols.get_scale(s)) == float(ols.get_scale(states[0]))
+  with pytest.raises(ValueError, match=r"traced value.*static_args naming them"):
+    jax.jit(injected.update)(g, states[1], params)
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_a_hyper_parameter_may_be_a_0d_array(name):
+  """A concrete 0-d array of the right kind is its number (an integer
+  argument's, an integer array); another kind, shape or a bool is refused."""
+  params = _params()
+  value = NUMERIC[name]
+  as_array = ols.dynamic_loss_scale(
+    optax.sgd(0.1), **{**NUMERIC, name: jnp.asarray(value)}
+  )
+  as_number = ols.dynamic_loss_scale(optax.sgd(0.1), **NUMERIC)
+  state_a, state_n = as_array.init(params), as_number.init(params)
+  for v in [1.0, None, 2.0, 3.0, 4.0]:
+    g = _grads(params, 1.0 if v is None else v, float(ols.get_scale(state_n)))
+    g = _poison(g) if v is None else g
+    u_a, state_a = as_array.update(g, state_a, params)
+    u_n, state_n = as_number.update(g, state_n, params)
+    chex.assert_trees_all_equal((u_a, state_a), (u_n, state_n))
+  for bad in (jnp.asarray([value, value]), jnp.array(True)):
+    with pytest.raises(ValueError, match=name):
+      ols.dynamic_loss_scale(optax.sgd(0.1), **{**NUMERIC, name: bad})
+  if isinstance(value, int):
+    with pytest.raises(ValueError, match=f"`{name}` must be an integer"):
+      ols.dynamic_loss_scale(optax.sgd(0.1), **{**NUMERIC, name: jnp.float32(value)})
+
+
+ENTRY_POINTS = {
+  "static_loss_scale": (
+    lambda v: ols.get_scale(ols.static_loss_scale(optax.sgd(0.1), v).init(_params())),
+    8.0,
+  ),
+  "porting.StaticLossScale": (ols.porting.StaticLossScale, 8.0),
+  "porting.DynamicLossScale, initial_scale": (
+    lambda v: ols.porting.DynamicLossScale(initial_scale=v),
+    8.0,
+  ),
+  "porting.DynamicLossScale, growth_interval": (
+    lambda v: ols.porting.DynamicLossScale(growth_interval=v),
+    8,
+  ),
+}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_every_entry_point_takes_0d_arrays_and_refuses_bool_arrays(entry):
+  make, value = ENTRY_POINTS[entry]
+  dtype = jnp.int32 if isinstance(value, int) else jnp.float32
+  assert repr(make(jnp.asarray(value, dtype))) == repr(make(value))
+  for bad in (jnp.array(True), np.bool_(True), jnp.asarray([value, value], dtype)):
+    with pytest.raises(ValueError, match="must be"):
+      make(bad)
+
+
 def test_skipped_steps_do_not_advance_schedules():
   params = _params()
   schedule = optax.linear_schedule(1.0, 0.0, transition_steps=4)

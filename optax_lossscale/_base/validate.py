@@ -39,19 +39,32 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 SCALE_RANGE = (2.0**-126, 2.0**126)
 
 
-def as_float(name: str, value: Any) -> float:
-  """``value`` as a finite Python float (a concrete real number, not a bool)."""
-  if isinstance(value, bool) or not isinstance(
-    value, (numbers.Real, np.ndarray, np.generic, jax.Array)
-  ):
-    raise ValueError(f"`{name}` must be a real number, got {value!r}.")
+def _concrete(name: str, value: Any, convert: Any) -> Any:
+  """``convert(value)`` (``float`` or ``int``), or the ``ValueError`` of a
+  traced value: hyper-parameters are fixed when a transformation is built."""
   try:
-    out = float(value)
+    return convert(value)
   except (TypeError, jax.errors.ConcretizationTypeError) as e:
     raise ValueError(
       f"`{name}` must be a concrete Python number (a hyper-parameter, not a "
-      f"traced value), got {value!r}."
+      f"traced value), got {value!r}: it is fixed when the transformation is "
+      "built. optax.inject_hyperparams makes numeric arguments arrays, traced "
+      f"in a jitted update: give it static_args naming them ({name!r} among "
+      "them)."
     ) from e
+
+
+def as_float(name: str, value: Any) -> float:
+  """``value`` as a finite Python float (a concrete real number, not a bool;
+  a 0-d real array too)."""
+  array = isinstance(value, (np.ndarray, np.generic, jax.Array))
+  if (
+    isinstance(value, bool)
+    or not (array or isinstance(value, numbers.Real))
+    or (array and (np.shape(value) or not _real(value.dtype)))
+  ):
+    raise ValueError(f"`{name}` must be a real number, got {value!r}.")
+  out = _concrete(name, value, float)
   if not math.isfinite(out):
     raise ValueError(f"`{name}` must be finite, got {value!r}.")
   return out
@@ -74,11 +87,21 @@ def as_f32(name: str, value: Any) -> float:
   return out
 
 
+def _real(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+
+
 def as_int(name: str, value: Any) -> int:
-  """``value`` as a Python int (an integer, not a bool)."""
-  if isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer)):
+  """``value`` as a Python int (an integer, not a bool; a 0-d integer array
+  too, as :func:`as_float` takes a real one)."""
+  array = isinstance(value, (np.ndarray, jax.Array)) and (
+    jnp.issubdtype(value.dtype, jnp.integer) and not np.shape(value)
+  )
+  if not array and (
+    isinstance(value, bool) or not isinstance(value, (numbers.Integral, np.integer))
+  ):
     raise ValueError(f"`{name}` must be an integer, got {value!r}.")
-  return int(value)
+  return _concrete(name, value, int)
 
 
 def float_in(name: str, value: Any, lo: float, hi: float) -> float:
