@@ -268,6 +268,7 @@ def test_a_jitted_body_many_leaves_share_is_evaluated_once_for_the_skip(monkeypa
   # (then traced and lowered once by JAX), so the evaluations of one trace
   # do not grow with the number of leaves
   from optax_lossscale._base import jaxpr as _jaxpr
+  from optax_lossscale._loss_scale import skip as _skip
 
   evaluated = []
   evaluate = _jaxpr.evaluate
@@ -279,16 +280,18 @@ def test_a_jitted_body_many_leaves_share_is_evaluated_once_for_the_skip(monkeypa
     params = {f"w{i}": jnp.ones(shape) for i in range(n)}
     tx = ols.dynamic_loss_scale(ols.quantize_state(optax.adam(1e-3), min_size=0))
     state = jax.eval_shape(tx.init, params)
+    # every body new, whatever the tests before traced
+    jax.clear_caches()
+    _skip._BODIES.clear()
     evaluated.clear()
     jax.make_jaxpr(tx.update)(params, state, params)
     return len(evaluated)
 
-  evaluations(1, (8, 264))  # the bodies that do not depend on the leaves' shapes
-  # shapes no other test traces, so that their encoder's body is new
-  few, many = evaluations(2, (8, 296)), evaluations(8, (8, 328))
-  # the update's jaxpr, the encoder's body and jnp.where's (a kept block's
-  # scale: one select), each once
-  assert many == few == 3
+  one, few, many = (evaluations(n, (8, 296)) for n in (1, 2, 8))
+  # the update's jaxpr, the encoder's body and two of jnp.where's (optax's
+  # count, a kept block's scale: one select each), each once, however many
+  # leaves share them
+  assert one == few == many == 4
 
 
 def test_state_made_in_jitted_helpers_is_skipped_exactly():
