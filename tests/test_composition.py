@@ -304,7 +304,13 @@ def test_every_entry_point_takes_0d_arrays_and_refuses_bool_arrays(entry):
   make, value = ENTRY_POINTS[entry]
   dtype = jnp.int32 if isinstance(value, int) else jnp.float32
   assert repr(make(jnp.asarray(value, dtype))) == repr(make(value))
-  for bad in (jnp.array(True), np.bool_(True), jnp.asarray([value, value], dtype)):
+  not_numbers = (
+    jnp.array(True),
+    np.bool_(True),
+    jnp.float32(jnp.nan),
+    jnp.float32(jnp.inf),
+  )
+  for bad in (*not_numbers, jnp.asarray([value, value], dtype)):
     with pytest.raises(ValueError, match="must be"):
       make(bad)
 
