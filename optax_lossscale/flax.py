@@ -53,7 +53,6 @@ from optax_lossscale._loss_scale import grad as _grad
 from optax_lossscale._loss_scale import overwrite as _overwrite
 from optax_lossscale._loss_scale import search as _search
 from optax_lossscale._loss_scale import skip as _skip
-from optax_lossscale._loss_scale import telemetry as _telemetry
 
 __all__ = [
   "LossScaleTrainState",
@@ -61,9 +60,6 @@ __all__ = [
   "nnx_update",
   "nnx_value_and_grad",
 ]
-
-# Flax's msgpack and state-dict serialization of a state with the record.
-_telemetry.register_flax_serialization()
 
 
 class LossScaleTrainState(train_state.TrainState):

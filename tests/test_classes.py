@@ -488,6 +488,22 @@ import flax.serialization as serialization  # Flax loaded later: registered then
 restored = serialization.from_bytes(state, serialization.to_bytes(state))
 assert type(restored.nonfinite).__name__ == "NonFiniteRecord"
 """,
+  "an 8-bit state made without importing Flax": """
+import sys
+import jax, jax.numpy as jnp, numpy as np, optax, optax_lossscale as ols
+params = {"w": jnp.linspace(-1.0, 1.0, 4096).reshape(16, 256)}
+for layout in ("leaf", "flat"):
+  tx = ols.quantize_state(optax.adam(1e-3), layout=layout)
+  state = tx.update(params, tx.init(params), params)[1]
+  assert "flax" not in sys.modules, "the 8-bit state imported Flax"
+import flax.serialization as serialization  # Flax loaded later: registered then
+for layout in ("leaf", "flat"):
+  tx = ols.quantize_state(optax.adam(1e-3), layout=layout)
+  state = tx.update(params, tx.init(params), params)[1]
+  restored = serialization.from_bytes(tx.init(params), serialization.to_bytes(state))
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+""",
   "flax.serialization first": """
 from flax import serialization
 import jax.numpy as jnp, optax, optax_lossscale as ols

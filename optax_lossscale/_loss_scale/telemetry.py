@@ -12,8 +12,6 @@ the per-leaf work; :func:`nonfinite_report` reads it on the host.
 from __future__ import annotations
 
 import dataclasses
-import importlib.abc
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale._base import flax_serialization as _flax_serialization
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import core as _core
 from optax_lossscale._loss_scale import finite as _finite
@@ -82,73 +81,8 @@ jax.tree_util.register_dataclass(
 )
 
 
-_REGISTERED = []
-
-
-def register_flax_serialization() -> None:
-  """Lets ``flax.serialization`` (``to_bytes``, ``to_state_dict``) save a record.
-
-  Called at this module's import when Flax's serialization is already
-  loaded, and otherwise when Flax loads it (:class:`_OnFlaxSerialization`):
-  whatever the order of the imports, a record can be serialised, and
-  Flax is never imported for it. Once. The arrays are saved by name; the
-  paths come from the restore target.
-  """
-  if _REGISTERED:
-    return
-  from flax import serialization
-
-  def to_state(r):
-    return {f: serialization.to_state_dict(getattr(r, f)) for f in ARRAY_FIELDS}
-
-  def from_state(target, state):
-    return target.replace(
-      **{
-        f: serialization.from_state_dict(getattr(target, f), state[f], name=f)
-        for f in ARRAY_FIELDS
-      }
-    )
-
-  serialization.register_serialization_state(
-    NonFiniteRecord, to_state, from_state, override=True
-  )
-  _REGISTERED.append(True)
-
-
-class _OnFlaxSerialization(importlib.abc.MetaPathFinder):
-  """An import hook: when ``flax.serialization`` is loaded, registers the
-  record with it (:func:`register_flax_serialization`), then removes itself."""
-
-  def find_spec(self, name, path, target=None):
-    if name != "flax.serialization":
-      return None
-    for finder in sys.meta_path:
-      if finder is self or not hasattr(finder, "find_spec"):
-        continue
-      spec = finder.find_spec(name, path, target)
-      if spec is not None:
-        break
-    else:
-      return None
-    loader = spec.loader
-    run = getattr(loader, "exec_module", None)
-    if run is None:
-      return None
-
-    def exec_module(module):
-      run(module)
-      if self in sys.meta_path:
-        sys.meta_path.remove(self)
-      register_flax_serialization()
-
-    loader.exec_module = exec_module
-    return spec
-
-
-if "flax.serialization" in sys.modules:
-  register_flax_serialization()
-elif not any(isinstance(f, _OnFlaxSerialization) for f in sys.meta_path):
-  sys.meta_path.insert(0, _OnFlaxSerialization())
+# Flax's msgpack and state-dict serialization (to_bytes) saves a record.
+_flax_serialization.register(NonFiniteRecord, ARRAY_FIELDS)
 
 
 def _key_name(key: Any) -> str:

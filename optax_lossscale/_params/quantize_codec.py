@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._base import flax_serialization as _flax_serialization
 from optax_lossscale._base import rounding as _rounding
 from optax_lossscale._base import tree as _tree
 
@@ -220,6 +221,8 @@ jax.tree_util.register_dataclass(
   data_fields=["codes", "scales"],
   meta_fields=["dtype", "block_size", "sqrt"],
 )
+# Flax's serialization (to_bytes, a TrainState's checkpoint) saves its arrays.
+_flax_serialization.register(QuantizedLeaf, ("codes", "scales"))
 
 
 _DECADES = np.float32(10.0) ** np.arange(-7, 0, dtype=np.float32)  # 1e-7 ... 0.1

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from optax_lossscale._base import flax_serialization as _flax_serialization
 from optax_lossscale._base import lanes as _lanes
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._params import quantize_codec as _codec
@@ -71,6 +72,8 @@ jax.tree_util.register_dataclass(
   data_fields=[],
   meta_fields=["group", "start", "shape", "dtype", "block_size", "sqrt"],
 )
+# Flax's serialization saves none of it (its values are in the group's buffer).
+_flax_serialization.register(GroupedLeaf, ())
 
 
 def is_grouped(x: Any) -> bool:
