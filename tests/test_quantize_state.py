@@ -357,33 +357,48 @@ def test_the_step_reads_less_than_float32_adams(rounding):
   assert temp < 4 * n
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-@pytest.mark.parametrize("layout", ["leaf", "flat"])
-def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path, layout, rounding):
-  ocp = pytest.importorskip("orbax.checkpoint")
-  p0 = _params()
-  tx = ols.dynamic_loss_scale(
-    ols.quantize_state(optax.adam(1e-3), layout=layout, rounding=rounding)
-  )
+def _round_trip_continues(tx, p0, restore):
+  """Two steps of ``tx``, saved and restored by ``restore(run, fresh)``
+  (``fresh``: a new ``(params, state)`` of the same shapes): the restored
+  run is the saved one bit for bit, and two more steps keep it so."""
 
   @jax.jit
   def step(params, state, g):
     updates, state = tx.update(g, state, params)
     return optax.apply_updates(params, updates), state
 
+  def grads(i):
+    return jax.tree.map(lambda x, p: x.astype(p.dtype), _grads(p0, i), p0)
+
   run = (p0, tx.init(p0))
   for i in range(2):
-    run = step(*run, _grads(p0, i))
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(tmp_path / "ckpt", run)
-  checkpointer.wait_until_finished()
-  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, (p0, tx.init(p0)))
-  restored = checkpointer.restore(tmp_path / "ckpt", target)
-  checkpointer.close()
+    run = step(*run, grads(i))
+  restored = restore(run, (p0, tx.init(p0)))
+  assert jax.tree.structure(restored) == jax.tree.structure(run)
   assert _bits(restored) == _bits(run)
   for i in range(2):
-    run, restored = step(*run, _grads(p0, 5 + i)), step(*restored, _grads(p0, 5 + i))
+    run, restored = step(*run, grads(5 + i)), step(*restored, grads(5 + i))
   assert _bits(restored) == _bits(run)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+def test_an_orbax_round_trip_continues_bit_for_bit(tmp_path, layout, rounding):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  tx = ols.dynamic_loss_scale(
+    ols.quantize_state(optax.adam(1e-3), layout=layout, rounding=rounding)
+  )
+
+  def restore(run, fresh):
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(tmp_path / "ckpt", run)
+    checkpointer.wait_until_finished()
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, fresh)
+    restored = checkpointer.restore(tmp_path / "ckpt", target)
+    checkpointer.close()
+    return restored
+
+  _round_trip_continues(tx, _params(), restore)
 
 
 FLAX_SERIALIZED = {
@@ -414,24 +429,11 @@ def test_a_flax_serialization_round_trip_continues_bit_for_bit(name, layout, rou
   p0 = _params()
   if name.startswith("all three"):
     p0 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p0)
-  tx = FLAX_SERIALIZED[name](layout, rounding)
 
-  @jax.jit
-  def step(params, state, g):
-    updates, state = tx.update(g, state, params)
-    return optax.apply_updates(params, updates), state
+  def restore(run, fresh):
+    return serialization.from_bytes(fresh, serialization.to_bytes(run))
 
-  run = (p0, tx.init(p0))
-  for i in range(2):
-    g = jax.tree.map(lambda x, p: x.astype(p.dtype), _grads(p0, i), p0)
-    run = step(*run, g)
-  restored = serialization.from_bytes((p0, tx.init(p0)), serialization.to_bytes(run))
-  assert jax.tree.structure(restored) == jax.tree.structure(run)
-  assert _bits(restored) == _bits(run)
-  for i in range(2):
-    g = jax.tree.map(lambda x, p: x.astype(p.dtype), _grads(p0, 5 + i), p0)
-    run, restored = step(*run, g), step(*restored, g)
-  assert _bits(restored) == _bits(run)
+  _round_trip_continues(FLAX_SERIALIZED[name](layout, rounding), p0, restore)
 
 
 def test_the_checkpoint_guard_names_a_non_finite_block():
