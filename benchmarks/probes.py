@@ -36,8 +36,9 @@ Not part of the report's tables; each probe prints what it measured:
 * split: CPU seconds (all threads) to trace, lower and compile the loss
   scale's update step on that tree, with the finite check as written and
   replaced by a read of one entry (what the check costs in the step), and
-  one reduction compiled alone on integer words (how the check tests bits)
-  and on float32 values: where the loss scale's compile time goes.
+  one reduction compiled alone on 32-bit words (how the check tested bits),
+  on exponent bytes (how it tests them) and on float32 values: where the
+  loss scale's compile time goes.
 
 Run:  python benchmarks/probes.py [read] [mlp] [f16] [kernels] [faults] [jitted]
 [compile] [trace] [rounds] [split] (no argument: all ten).
@@ -97,6 +98,12 @@ def grouped(f, combine, reduce):
 
 def _bits(x):
   return lax.bitcast_convert_type(x, jnp.int32) & np.int32(0x7FFFFFFF)
+
+
+def _exponent_bytes(x):
+  """float32 ``x``'s exponent fields, as the check reduces them."""
+  bits = lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0x7F800000)
+  return (bits >> np.uint32(23)).astype(jnp.uint8)
 
 
 def _two_stage_sum(total):
@@ -373,9 +380,9 @@ def _simplifier_rounds(compile_fn):
   return seconds, rounds
 
 
-def _raveled_combined(parts):
+def _raveled_combined(parts, dtype):
   """The former check: every leaf raveled before the chunk is combined."""
-  return _combined([jnp.ravel(p) for p in parts])
+  return _combined([jnp.ravel(p) for p in parts], dtype)
 
 
 _combined = _finite._combined
@@ -485,7 +492,8 @@ def probe_split(rounds=3):
     print(f"  {name}: {total:.2f} s ({total / base:.2f}): {python:.2f} / {xla:.2f}")
   x = jnp.ones((128, 384))
   words = {
-    "uint32 exponent bits": lambda x: jnp.max(_bits(x)),
+    "int32 bits (the former check)": lambda x: jnp.max(_bits(x)),
+    "uint8 exponent bytes (the check)": lambda x: jnp.max(_exponent_bytes(x)),
     "float32 values": jnp.max,
   }
   print("one reduction of a float32 [128, 384] compiled alone (CPU seconds, least):")

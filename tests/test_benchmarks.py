@@ -123,8 +123,10 @@ def test_the_unused_check_reference_has_our_bytes(bench):
   floor = grad_bytes + 2 * check_scratch(grads)
   assert floor <= unused["bytes"] - bare["bytes"] <= 1.05 * floor
   # Beyond that, only scalars (the loss scale's state, the unscale factor) and
-  # their small kernels: a few KB against 33.6 MB of gradients.
-  assert 0 <= ours["bytes"] - unused["bytes"] <= 4096
+  # their small kernels: a few KB against 33.6 MB of gradients, either way
+  # (where the flag is a reduction's output read by the selects, XLA fuses
+  # the reference's scalar outputs differently: 320 bytes more than ours).
+  assert abs(ours["bytes"] - unused["bytes"]) <= 4096
   flag = unused["carry"][2]
   assert flag.dtype == jnp.bool_ and bool(flag)
 

@@ -315,6 +315,42 @@ def test_classification_of_every_float_dtype():
   assert kinds.dtype == jnp.uint8
 
 
+def _special_values(dtype):
+  """Entries of ``dtype`` at the edges of each class, made from their bits:
+  NaN with only the lowest, only the highest or every fraction bit set,
+  either sign; infinities; the largest finite value; the smallest subnormal."""
+  info = jnp.finfo(dtype)
+  uint = {16: np.uint16, 32: np.uint32}[info.bits]
+  exponent = ((1 << info.nexp) - 1) << info.nmant
+  sign = 1 << (info.bits - 1)
+  fraction = (1 << info.nmant) - 1
+  bits = [exponent | 1, exponent | 1 << (info.nmant - 1), exponent | fraction]
+  bits += [b | sign for b in bits] + [exponent, exponent | sign]
+  bits += [exponent - 1, 1, sign | 1, 0]
+  return np.array(bits, uint).view(jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("size", [3, _finite.KINDS_STACK_MAX_SIZE + 1])
+def test_each_entry_is_classified_by_its_bits(dtype, size):
+  """Every special value, alone in a leaf of ones, small (stacked) and large,
+  jitted and on the host, against NumPy's isnan and isinf."""
+  values = _special_values(dtype)
+  leaves = []
+  for v in values:
+    x = np.ones(size, jnp.dtype(dtype))
+    x[size // 2] = v
+    leaves.append(jnp.asarray(x))
+  wide = values.astype(np.float32)
+  want = np.isnan(wide) * _finite.NAN | np.isinf(wide) * _finite.INF
+  np.testing.assert_array_equal(jax.jit(_finite.nonfinite_kinds)(leaves), want)
+  for x, nan, inf in zip(leaves, np.isnan(wide), np.isinf(wide), strict=True):
+    assert _finite.count_nonfinite(x) == (int(nan), int(inf))
+    device = jax.jit(_finite.count_nonfinite_device)(x).sum(axis=1)
+    np.testing.assert_array_equal(device, [int(nan), int(inf)])
+    assert bool(jax.jit(ols.all_finite)(x)) == (not nan and not inf)
+
+
 def test_bad_inputs_are_clear_errors():
   with pytest.raises(ValueError, match="`track_nonfinite` must be a bool"):
     ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=1)

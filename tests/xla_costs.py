@@ -6,15 +6,15 @@ from optax_lossscale._loss_scale.finite import FINITE_CHECK_CHUNK
 
 
 def check_scratch(grads):
-  """Bytes the finite check writes: one leaf's bits per chunk of leaves.
+  """Bytes the finite check writes: one byte an entry of one leaf per chunk.
 
-  XLA's CPU backend writes out the input of an integer reduction before it
-  reduces it, so the elementwise maximum of each chunk's exponent bits (the
-  size of one of its leaves) is written once and read once.
+  XLA's CPU backend writes out the input of a reduction it hands to its
+  library, so each chunk's verdicts (one uint8 an entry of one of its
+  leaves) are written once and read once.
   """
   groups = {}
   for g in jax.tree.leaves(grads):
-    groups.setdefault((g.size, g.dtype), []).append(g.nbytes)
+    groups.setdefault((g.size, g.dtype), []).append(g.size)
   chunk = FINITE_CHECK_CHUNK
   return sum(-(-len(n) // chunk) * n[0] for n in groups.values())
 

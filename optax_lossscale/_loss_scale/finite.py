@@ -5,8 +5,10 @@ whole tree); :func:`nonfinite_kinds` says, leaf by leaf, whether a tree
 holds NaN, infinities or both (what the non-finite record and the reports
 name); :func:`count_nonfinite` counts the NaN and infinite entries of an
 array on the host (what the checkpoint guard reports). All of them test each
-entry's bits as unsigned integers (:func:`_magnitude`), so that no compiler
-flag, fast-math included, can fold them away.
+entry's bits as unsigned integers (:func:`_words`), so that no compiler
+flag, fast-math included, can fold them away: values are moved as words,
+never as floats, and where float computations in the same program may have
+made them, only reductions of them are compared (:func:`_exponent_bytes`).
 """
 
 from __future__ import annotations
@@ -67,22 +69,41 @@ def _tested(x: Any) -> Any:
   return x.astype(np.float32)
 
 
-def _exponent_bits(x: jax.Array) -> tuple[jax.Array, int]:
-  """``(x's exponent bits as unsigned integers, the all-ones exponent)``.
+def _layout(dtype: Any) -> tuple[Any, int]:
+  """``(the unsigned integer dtype of dtype's width, its all-ones exponent)``."""
+  info = jnp.finfo(dtype)
+  return _UINT[info.bits], ((1 << info.nexp) - 1) << info.nmant
+
+
+def _words(x: Any) -> Any:
+  """``x``'s bits as unsigned integers: ``x`` a JAX or NumPy array of a
+  dtype :func:`_tested` returns."""
+  uint, _ = _layout(x.dtype)
+  return (
+    x.view(uint) if isinstance(x, np.ndarray) else lax.bitcast_convert_type(x, uint)
+  )
+
+
+def _exponent_bits(x: jax.Array, dtype: Any) -> jax.Array:
+  """The exponent bits of ``x``, floats of ``dtype`` or their :func:`_words`.
 
   An IEEE float is ``inf`` or NaN exactly when its exponent bits are all
   ones. Integer ``&``, ``max`` and ``==`` cannot be folded by any
   floating-point simplification (fast-math flags fold ``x - x`` to 0 and
   ``isnan`` to false), so the test holds whatever flags XLA runs with.
   """
-  uint, mask = _layout(x.dtype)
-  return lax.bitcast_convert_type(x, uint) & np.asarray(mask, uint), mask
+  uint, mask = _layout(dtype)
+  if x.dtype != uint:
+    x = _words(x)
+  return x & np.asarray(mask, uint)
 
 
-def _layout(dtype: Any) -> tuple[Any, int]:
-  """``(the unsigned integer dtype of dtype's width, its all-ones exponent)``."""
-  info = jnp.finfo(dtype)
-  return _UINT[info.bits], ((1 << info.nexp) - 1) << info.nmant
+def _concatenable(x: jax.Array) -> jax.Array:
+  """``x`` as it is concatenated: bfloat16 as its :func:`_words` (XLA's CPU
+  backend concatenates bfloat16 through float32, and under fast-math that
+  conversion may drop NaN and infinities), other dtypes as they are (their
+  concatenation copies, and can be fused)."""
+  return _words(x) if x.dtype == jnp.bfloat16 else x
 
 
 def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
@@ -96,11 +117,12 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
   Each entry's exponent bits are tested as an unsigned integer (all ones:
   ``inf`` or NaN), so no compiler flag, fast-math included, can fold the
   check away. Leaves of one size and dtype are combined by an elementwise
-  integer maximum, ``chunk`` at a time, before one reduction: each entry is
-  read once, and the number of kernels (and XLA's compile time) grows with
-  the number of groups, not of leaves. The other chunks' verdicts are
-  folded into the smallest chunk before its reduction, so the flag is one
-  reduction's output (BENCHMARKS.md says why, and what the check costs).
+  integer maximum, ``chunk`` at a time, and each chunk's exponents are
+  reduced as bytes: each entry is read once, and the number of kernels
+  (and XLA's compile time) grows with the number of groups, not of leaves.
+  The other chunks' maxima are folded into the smallest chunk before its
+  reduction, so the flag is one reduction's output (BENCHMARKS.md says
+  why, and what the check costs).
 
   Args:
     tree: a pytree, typically of gradients.
@@ -147,34 +169,56 @@ def leaves_finite(
   # grows much faster than the number of reductions next to the skip's
   # selects (BENCHMARKS.md). The bits are tested after the concatenation:
   # XLA splits a reduction of a concatenation back into one reduction per
-  # operand.
+  # operand. bfloat16 is concatenated as words (:func:`_concatenable`).
   small: dict[Any, list[jax.Array]] = {}
   for key in [
     k for k, v in groups.items() if k[2] is None and _concatenated(k[0], len(v))
   ]:
     small.setdefault(key[1], []).extend(groups.pop(key))
   for dtype, parts in small.items():
-    groups[(-1, dtype, None)] = [jnp.concatenate([jnp.ravel(p) for p in parts])]
-  chunks = []  # (the elementwise maximum of up to `chunk` leaves, all ones)
-  for parts in groups.values():
+    words = [jnp.ravel(_concatenable(p)) for p in parts]
+    groups[(-1, dtype, None)] = [jnp.concatenate(words)]
+  exponents = []  # of the elementwise maximum of up to `chunk` leaves
+  for (_, dtype, _), parts in groups.items():
     if parts[0].size:
       parts = sorted(parts, key=lambda p: p.shape)  # one shape's leaves together
-      chunks += [_combined(parts[i : i + chunk]) for i in range(0, len(parts), chunk)]
-  if not chunks:
+      for i in range(0, len(parts), chunk):
+        exponents.append(_exponent_bytes(_combined(parts[i : i + chunk], dtype), dtype))
+  if not exponents:
     return jnp.array(True) if bad is None else jnp.logical_not(bad)
-  receiver, mask = min(chunks, key=lambda c: c[0].size)
-  others = [jnp.max(c) == m for c, m in chunks if c is not receiver]
+  receiver = min(exponents, key=lambda e: e.size)
+  others = [jnp.max(e) for e in exponents if e is not receiver]
   if bad is not None:
-    others.append(jnp.asarray(bad, jnp.bool_))
+    others.append(jnp.where(bad, np.uint8(255), np.uint8(0)))
   if others:
-    bad = jnp.any(jnp.stack(others))
-    receiver = jnp.maximum(receiver, jnp.where(bad, mask, 0).astype(receiver.dtype))
-  return jnp.max(receiver) != mask
+    receiver = jnp.maximum(receiver, jnp.max(jnp.stack(others)))
+  return jnp.max(receiver) != 255
 
 
-def _combined(parts: list[jax.Array]) -> tuple[jax.Array, int]:
-  """``(the elementwise maximum of the exponent bits of parts of one size
-  and dtype, the all-ones exponent)``.
+def _exponent_bytes(combined: jax.Array, dtype: Any) -> jax.Array:
+  """The exponent field of each entry of ``combined`` (exponent bits of
+  ``dtype``) as one uint8, 255 exactly where it is all ones.
+
+  The check reduces these bytes, and compares only the maximum: an entry's
+  bits compared with the all-ones exponent where a float computation made
+  them (an unscale) are an ``isinf``/``isnan`` idiom LLVM folds to false
+  under fast-math. Bytes rather than the exponent words, because XLA's CPU
+  backend compiles a byte reduction as one library call where it stages a
+  32-bit one in three kernels, and writes one byte an entry where it wrote
+  four (BENCHMARKS.md).
+  """
+  info = jnp.finfo(dtype)
+  ones = (1 << info.nexp) - 1  # the all-ones exponent field
+  field = combined >> np.asarray(info.nmant, combined.dtype)
+  if ones <= 255:
+    return (field + np.asarray(255 - ones, field.dtype)).astype(jnp.uint8)
+  low = np.asarray(ones - 255, field.dtype)  # float64: 2047 -> 255, below 1792 -> 0
+  return (jnp.maximum(field, low) - low).astype(jnp.uint8)
+
+
+def _combined(parts: list[jax.Array], dtype: Any) -> jax.Array:
+  """The elementwise maximum of the exponent bits of parts of one size and
+  float ``dtype`` (floats or their :func:`_words`).
 
   Parts of one shape are combined as they are, and only the results of
   different shapes raveled: XLA's simplifier moves a reshape past one
@@ -183,13 +227,13 @@ def _combined(parts: list[jax.Array]) -> tuple[jax.Array, int]:
   """
   by_shape: dict[tuple[int, ...], jax.Array] = {}
   for part in parts:
-    bits, mask = _exponent_bits(part)
+    bits = _exponent_bits(part, dtype)
     acc = by_shape.get(part.shape)
     by_shape[part.shape] = bits if acc is None else jnp.maximum(acc, bits)
   accs = list(by_shape.values())
   if len(accs) > 1:
     accs = [jnp.ravel(a) for a in accs]
-  return functools.reduce(jnp.maximum, accs), mask
+  return functools.reduce(jnp.maximum, accs)
 
 
 #: Bits of :func:`nonfinite_kinds`' codes: the leaf holds a NaN, an infinity.
@@ -212,22 +256,32 @@ def _magnitude(x: Any) -> tuple[Any, Any]:
   """
   uint, mask = _layout(x.dtype)
   sign = np.iinfo(uint).max >> 1  # every bit but the sign
-  bits = (
-    x.view(uint) if isinstance(x, np.ndarray) else lax.bitcast_convert_type(x, uint)
-  )
-  return bits & np.asarray(sign, uint), np.asarray(mask, uint)
+  return _words(x) & np.asarray(sign, uint), np.asarray(mask, uint)
 
 
-def _kind_codes(x: jax.Array, axis: int | None = None) -> jax.Array:
-  """``NAN | INF`` bits (uint8) of the entries of ``x``, combined along ``axis``.
+def _kind_codes(words: jax.Array, dtype: Any, axis: int | None = None) -> jax.Array:
+  """``NAN | INF`` bits (uint8) of entries whose :func:`_words` (of floats
+  of ``dtype``) are ``words``, combined along ``axis``.
 
-  Each bit is a maximum of its own (not a bitwise-or reduction, which
-  sharded arrays would turn into an all-reduce that collectives do not
-  implement).
+  No entry is compared (see :func:`_exponent_bytes`): each gives two bytes
+  made with bit operations only, 255 exactly where it is a NaN and where it
+  is an infinity, and only their maxima are. Each is a maximum of its own
+  (not a bitwise-or reduction, which sharded arrays would turn into an
+  all-reduce that collectives do not implement).
   """
-  magnitude, mask = _magnitude(x)
-  nan = jnp.max((magnitude > mask).astype(jnp.uint8), axis=axis)
-  inf = jnp.max((magnitude == mask).astype(jnp.uint8), axis=axis)
+  uint, mask = _layout(dtype)
+  nmant = jnp.finfo(dtype).nmant
+  exponent = _exponent_bytes(words & np.asarray(mask, uint), dtype)
+  fraction = words & np.asarray((1 << nmant) - 1, uint)
+  shift = 1
+  while shift < nmant:  # every set bit of the fraction folded into bit 0
+    fraction = fraction | (fraction >> np.asarray(shift, uint))
+    shift *= 2
+  nonzero = (fraction & np.asarray(1, uint)).astype(jnp.uint8)
+  nan = exponent & (np.uint8(0) - nonzero)  # the exponent, where the fraction is not 0
+  inf = exponent & (nonzero - np.uint8(1))  # the exponent, where it is 0
+  nan = (jnp.max(nan, axis=axis) == 255).astype(jnp.uint8)
+  inf = (jnp.max(inf, axis=axis) == 255).astype(jnp.uint8)
   return nan * np.uint8(NAN) | inf * np.uint8(INF)
 
 
@@ -308,25 +362,28 @@ def nonfinite_kinds(leaves: list[Any]) -> jax.Array:
   for i, x in enumerate(leaves):
     if not is_float_array(x) or x.size == 0:
       continue
+    parts = [
+      _tested(p) for p in ((jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,))
+    ]
+    dtype = parts[0].dtype
     if explicit_spec(x) is not None:  # sharded in its type: reduced where it lies
-      parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
-      codes = [_kind_codes(_tested(part)) for part in parts]
+      codes = [_kind_codes(_words(part), dtype) for part in parts]
       pieces.append(functools.reduce(jnp.bitwise_or, codes)[None])
       order.append(i)
       continue
-    x = jnp.ravel(x)
-    if jnp.iscomplexobj(x):
-      x = jnp.concatenate([jnp.real(x), jnp.imag(x)])
-    x = _tested(x)
+    # Moved (raveled, concatenated, padded, stacked) as words, never as
+    # floats: XLA's CPU backend moves bfloat16 through float32, and under
+    # fast-math that conversion may drop NaN and infinities.
+    x = jnp.concatenate([jnp.ravel(_words(part)) for part in parts])
     if x.size > KINDS_STACK_MAX_SIZE:
-      pieces.append(_kind_codes(x)[None])
+      pieces.append(_kind_codes(x, dtype)[None])
       order.append(i)
     else:
       width = 1 << (x.size - 1).bit_length()
-      stacks.setdefault((x.dtype, width), []).append((i, x))
-  for (_, width), items in stacks.items():
+      stacks.setdefault((dtype, width), []).append((i, x))
+  for (dtype, width), items in stacks.items():
     rows = jnp.stack([jnp.pad(x, (0, width - x.size)) for _, x in items])
-    pieces.append(_kind_codes(rows, axis=1))
+    pieces.append(_kind_codes(rows, dtype, axis=1))
     order.extend(i for i, _ in items)
   kinds = jnp.zeros(len(leaves), jnp.uint8)
   if pieces:
