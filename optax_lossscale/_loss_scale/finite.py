@@ -272,12 +272,8 @@ def _kind_codes(words: jax.Array, dtype: Any, axis: int | None = None) -> jax.Ar
   uint, mask = _layout(dtype)
   nmant = jnp.finfo(dtype).nmant
   exponent = _exponent_bytes(words & np.asarray(mask, uint), dtype)
-  fraction = words & np.asarray((1 << nmant) - 1, uint)
-  shift = 1
-  while shift < nmant:  # every set bit of the fraction folded into bit 0
-    fraction = fraction | (fraction >> np.asarray(shift, uint))
-    shift *= 2
-  nonzero = (fraction & np.asarray(1, uint)).astype(jnp.uint8)
+  ones = np.asarray((1 << nmant) - 1, uint)  # the fraction's bits
+  nonzero = (((words & ones) + ones) >> np.asarray(nmant, uint)).astype(jnp.uint8)
   nan = exponent & (np.uint8(0) - nonzero)  # the exponent, where the fraction is not 0
   inf = exponent & (nonzero - np.uint8(1))  # the exponent, where it is 0
   nan = (jnp.max(nan, axis=axis) == 255).astype(jnp.uint8)
