@@ -61,6 +61,49 @@ def test_all_finite_complex():
   assert not bool(ols.all_finite(jnp.array([complex(1, np.inf)], jnp.complex64)))
 
 
+# --- NumPy leaves ------------------------------------------------------------
+
+_NUMPY_LAYOUTS = {  # the check's three paths: concatenated, combined, alone
+  "small": lambda x: [x[:3]],
+  "4 of one size": lambda x: [x[:3]] * 4,
+  "large": lambda x: [np.resize(x, 70_000)],
+}
+
+
+def _numpy_leaf(dtype, value):
+  x = np.ones(5, dtype)
+  x[1] = value
+  return x
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("layout", list(_NUMPY_LAYOUTS))
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 1e300, 2.0])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_numpy_leaves_are_checked_as_jax_holds_them(dtype, value, layout):
+  """A NumPy leaf is checked as the array JAX makes of it (float64 is
+  float32 unless x64 is on, where 1e300 overflows to inf), eagerly, under
+  jit and in the loss scale's step; a float64 leaf's bits were once tested
+  as 32-bit words, and a NaN passed."""
+  if dtype != np.float64 and value == 1e300:
+    pytest.skip("1e300 is a float64 value")
+  leaves = _NUMPY_LAYOUTS[layout](_numpy_leaf(dtype, value))
+  finite = all(np.isfinite(np.asarray(jnp.asarray(x))).all() for x in leaves)
+  assert bool(ols.all_finite(leaves)) == finite
+  assert bool(jax.jit(ols.all_finite)(leaves)) == finite
+  if layout == "small":  # a NumPy scalar
+    assert bool(ols.all_finite([dtype(value)])) == bool(
+      np.isfinite(jnp.asarray(dtype(value)))
+    )
+  tx = ols.dynamic_loss_scale(optax.sgd(1.0))
+  params = [jnp.ones(x.shape) for x in leaves]
+  state = tx.init(params)
+  updates, new = tx.update(leaves, state, params)
+  assert bool(new.loss_scale < state.loss_scale) != finite
+  for u in updates:
+    assert np.isfinite(np.asarray(u)).all() and (finite or not np.asarray(u).any())
+
+
 # --- unscale ----------------------------------------------------------------
 
 

@@ -269,6 +269,45 @@ def test_static_state_leaves_come_from_the_new_state_as_select_tree_does(ok):
   chex.assert_trees_all_equal((u1, s1[1]), (u2, s2[1]))
 
 
+_ONE_VALUE_OLDS = {
+  "a number, then an array": (0, jnp.float32(5.0)),
+  "an array, then a number": (jnp.float32(5.0), 0),
+  "a number, then two arrays": (0.5, jnp.float32(5.0), jnp.float32(7.0)),
+  "two arrays": (jnp.float32(5.0), jnp.float32(7.0)),
+  "arrays of two dtypes": (jnp.float32(5.0), jnp.int32(3)),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("made", ["computed", "passed through"])
+@pytest.mark.parametrize("olds", list(_ONE_VALUE_OLDS))
+@pytest.mark.parametrize("ok", [True, False])
+def test_leaves_that_are_one_value_are_each_selected_against_their_own(
+  ok, olds, made, jit
+):
+  """New state leaves that are one variable of the update's jaxpr: each is
+  selected against its own old value, as select_after selects them (a
+  Python number's old value was once the first array leaf's)."""
+  old_state = _ONE_VALUE_OLDS[olds]
+
+  def update(updates, state, params=None):
+    base = next(x for x in state if isinstance(x, jax.Array))
+    new = base + 1.0 if made == "computed" else base
+    return updates, tuple(new for _ in state)
+
+  inner = optax.with_extra_args_support(
+    optax.GradientTransformation(lambda params: old_state, update)
+  )
+  grads = {"w": jnp.ones(2)}
+
+  def both(pred, state):
+    args = (pred, grads, state, None, {})
+    return _skip.apply_or_skip(inner, *args), _skip.select_after(inner, *args)
+
+  got, want = (jax.jit(both) if jit else both)(jnp.asarray(ok), inner.init(grads))
+  chex.assert_trees_all_equal(got, want)
+
+
 @pytest.mark.parametrize(
   "name, make",
   [

@@ -21,6 +21,7 @@ __all__ = [
   "explicit_spec",
   "find_all",
   "find_unique",
+  "held",
   "is_array",
   "is_float_array",
   "is_variable",
@@ -38,6 +39,14 @@ __all__ = [
 def is_array(x: Any) -> bool:
   """A JAX or NumPy array (or scalar); ``None`` and other leaves are not."""
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def held(x: Any) -> Any:
+  """``x`` as JAX holds it: a NumPy array or scalar becomes a JAX array
+  (float64 is float32 unless x64 is enabled, where a value beyond float32's
+  range becomes an infinity), as ``jax.jit`` makes it of an argument; a
+  JAX array is ``x`` itself."""
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
 def is_float_array(x: Any) -> bool:

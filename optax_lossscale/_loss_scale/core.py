@@ -178,6 +178,7 @@ def unscale_tree(
   def one(x, kept, wide):
     if kept or not _tree.is_float_array(x):
       return x
+    x = _tree.held(x)  # a NumPy float64 leaf is float32 unless x64 is on
     out = divide(x, loss_scale, 0)
     if factor is not None:  # after a cast back to x's dtype, as Keras does
       out = divide(out if wide else out.astype(x.dtype), factor, 1)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_lossscale._base.tree import array_leaves, explicit_spec, is_float_array
+from optax_lossscale._base.tree import array_leaves, explicit_spec, held, is_float_array
 
 __all__ = [
   "CONCAT_MAX_SIZE",
@@ -159,6 +159,7 @@ def leaves_finite(
   for x in leaves:
     if not is_float_array(x):
       continue
+    x = held(x)
     spec = explicit_spec(x)
     for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
       part = _tested(part)
@@ -317,6 +318,7 @@ def count_nonfinite_device(x: jax.Array) -> jax.Array:
   """
   if not jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros((2, 1), jnp.int32)
+  x = held(x)
   axes = tuple(range(1, x.ndim)) if x.ndim > 1 else None
   counts = []
   for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
@@ -359,6 +361,7 @@ def nonfinite_kinds(leaves: list[Any]) -> jax.Array:
   for i, x in enumerate(leaves):
     if not is_float_array(x) or x.size == 0:
       continue
+    x = held(x)
     parts = [
       _tested(p) for p in ((jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,))
     ]

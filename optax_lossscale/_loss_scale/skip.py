@@ -248,21 +248,24 @@ def update_on_selected_state(
   state_outvars = closed.jaxpr.outvars[n_updates:]
 
   # The old value each new state leaf is selected against, keyed by the
-  # variable that holds it (the first leaf's, should two leaves be the same).
+  # variable that holds it: the first array leaf's, should several leaves be
+  # that variable, and that leaf (its owner) takes the value selected where
+  # it is made; the others are selected against their own old values.
   olds: dict[Any, Any] = {}
+  owner: dict[Any, int] = {}
   for i, v in enumerate(state_outvars):
     if isinstance(v, _jaxpr.Var) and v not in olds and _tree.is_array(old_state[i]):
-      olds[v] = old_state[i]
+      olds[v], owner[v] = old_state[i], i
   outs, selected = _evaluate_selecting(
     closed.jaxpr, closed.consts, arrays, should_apply, olds
   )
 
   state_flat = []
-  first: dict[Any, int] = {}
   for i, (v, x) in enumerate(zip(state_outvars, outs[n_updates:], strict=True)):
-    if isinstance(v, _jaxpr.Var) and v in selected and first.setdefault(v, i) == i:
-      state_flat.append(x)  # selected where it was made
-    else:  # passed through, a literal, a repeated value or a Python number
+    if isinstance(v, _jaxpr.Var) and v in selected and owner[v] == i:
+      state_flat.append(x)  # selected where it was made, against its own old value
+    else:  # a literal, another leaf's variable (x is new where `should_apply`)
+      # or a Python number
       new = x if _tree.is_array(returned[i]) else returned[i]  # as returned
       state_flat.append(select_leaf(should_apply, new, old_state[i]))
   return (
