@@ -203,6 +203,20 @@ def test_a_float64_gradient_is_unscaled_in_float64(entry):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2**-52, atol=0)
 
 
+@pytest.mark.parametrize("bad", [None, np.nan, np.inf])
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+def test_a_numpy_float64_gradient_is_what_jax_makes_of_it(entry, bad):
+  """x64 off: a NumPy float64 gradient gives what its float32 JAX array
+  gives, eagerly, with no warning (a NaN step was once applied)."""
+  g = VALUES * SCALE
+  if bad is not None:
+    g = g.copy()
+    g[1] = bad
+  got, want = ENTRY_POINTS[entry](g), ENTRY_POINTS[entry](jnp.asarray(g))
+  assert got.dtype == want.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_clipnorm_of_a_float64_gradient_is_in_float64():
   with versions.x64():
     opt = ols.porting.LossScaleOptimizer(

@@ -269,6 +269,57 @@ def test_static_state_leaves_come_from_the_new_state_as_select_tree_does(ok):
   chex.assert_trees_all_equal((u1, s1[1]), (u2, s2[1]))
 
 
+def _weak_state_inner(made, traces):
+  """Momentum whose ``beta`` is a weakly typed state leaf, passed through or
+  computed; ``traces`` counts the traces of its update."""
+
+  def init(params):
+    return {"beta": jnp.asarray(0.9), "m": jax.tree.map(jnp.zeros_like, params)}
+
+  def update(updates, state, params=None):
+    traces.append(1)
+    beta = state["beta"] if made == "passed through" else state["beta"] * 1.0
+    m = jax.tree.map(lambda m, g: beta * m + g, state["m"], updates)
+    return jax.tree.map(lambda m: -0.1 * m, m), {"beta": beta, "m": m}
+
+  return optax.with_extra_args_support(optax.GradientTransformation(init, update))
+
+
+@pytest.mark.parametrize("skip", ["apply_or_skip", "select_after"])
+@pytest.mark.parametrize("made", ["passed through", "computed"])
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_weakly_typed_state_leaf_stays_weak(ok, made, skip):
+  inner = _weak_state_inner(made, [])
+  grads = {"w": jnp.ones(2)}
+  state = inner.init(grads)
+  _, bare = inner.update(grads, state)
+  _, new = getattr(_skip, skip)(inner, jnp.asarray(ok), grads, state, None, {})
+  assert state["beta"].weak_type and bare["beta"].weak_type and new["beta"].weak_type
+
+
+_WEAK_ENTRIES = {
+  "dynamic_loss_scale": lambda inner: ols.dynamic_loss_scale(inner, initial_scale=4.0),
+  "LossScaleOptimizer": lambda inner: ols.porting.LossScaleOptimizer(
+    inner, initial_scale=4.0
+  ),
+}
+
+
+@pytest.mark.parametrize("made", ["passed through", "computed"])
+@pytest.mark.parametrize("entry", list(_WEAK_ENTRIES))
+def test_a_weakly_typed_state_leaf_is_not_a_new_trace_each_step(entry, made):
+  """A state leaf that lost its weak type made the jitted update trace and
+  compile again for the second step's state."""
+  traces = []
+  tx = _WEAK_ENTRIES[entry](_weak_state_inner(made, traces))
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for g in (1.0, jnp.nan, 2.0, 3.0):
+    _, state = update({"w": jnp.full(2, g)}, state, params)
+  assert len(traces) == 1, len(traces)
+
+
 _ONE_VALUE_OLDS = {
   "a number, then an array": (0, jnp.float32(5.0)),
   "an array, then a number": (jnp.float32(5.0), 0),

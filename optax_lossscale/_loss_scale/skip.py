@@ -58,9 +58,12 @@ __all__ = [
 def select(pred: jax.Array, on_true: Any, on_false: Any) -> jax.Array:
   """``lax.select`` of one array, ``on_false`` taken in ``on_true``'s dtype
   and, under explicit sharding, in its sharding (a state made by ``init`` or
-  restored with another layout than the update's may differ)."""
-  on_true = jnp.asarray(on_true)
-  on_false = jnp.asarray(on_false, on_true.dtype)
+  restored with another layout than the update's may differ). Weakly typed
+  when both are (a weakly typed state leaf stays so, and a jitted update is
+  not traced again for the next step's state)."""
+  on_true, on_false = jnp.asarray(on_true), jnp.asarray(on_false)
+  if on_false.dtype != on_true.dtype:
+    on_false = on_false.astype(on_true.dtype)
   if _tree.explicit_spec(on_true) != _tree.explicit_spec(on_false):
     on_false = jax.sharding.reshard(on_false, jax.typeof(on_true).sharding.spec)
   return lax.select(pred, on_true, on_false)

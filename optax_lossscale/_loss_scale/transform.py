@@ -46,6 +46,8 @@ def _validate_grads(grads: Any, params: Any) -> None:
   ``params`` the tree must have the parameters' structure and shapes.
   """
   _tree.array_leaves(grads)
+  if isinstance(params, optax.LookaheadParams):  # its update takes the fast
+    params = params.fast  # weights' gradients
   if params is None:
     return
   try:
