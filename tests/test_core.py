@@ -1,6 +1,7 @@
 """The functional core: finite check, unscale, the adjust rule, the classes."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -59,6 +60,17 @@ def test_all_finite_ignores_non_float_leaves():
 def test_all_finite_complex():
   assert bool(ols.all_finite(jnp.array([1 + 2j], jnp.complex64)))
   assert not bool(ols.all_finite(jnp.array([complex(1, np.inf)], jnp.complex64)))
+
+
+@pytest.mark.parametrize("chunk", [-1, 0, 2.0, True, "3", None])
+@pytest.mark.parametrize("jit", [False, True])
+def test_all_finite_refuses_a_chunk_that_is_not_a_positive_integer(chunk, jit):
+  """``chunk=-1`` once made no reduction at all: a NaN tree was finite."""
+  leaves = [jnp.array([jnp.nan])] * 5  # one size: combined chunk by chunk
+  check = functools.partial(ols.all_finite, chunk=chunk)
+  with pytest.raises(ValueError, match="`chunk` must be an integer"):
+    (jax.jit(check) if jit else check)(leaves)
+  assert not bool(ols.all_finite(leaves, chunk=1))
 
 
 # --- NumPy leaves ------------------------------------------------------------

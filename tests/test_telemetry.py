@@ -313,6 +313,8 @@ def test_classification_of_every_float_dtype():
   kinds = jax.jit(_finite.nonfinite_kinds)(leaves)
   np.testing.assert_array_equal(kinds, [0, 3, 0, 0, 2, 1, 1, 2, 2, 1, 2, 0])
   assert kinds.dtype == jnp.uint8
+  for x in (jax.random.key(0), jax.random.PRNGKey(0), np.array([1, 2])):
+    assert _finite.count_nonfinite(x) == (0, 0)  # a key was fetched, refused
 
 
 def _special_values(dtype):

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from optax_lossscale._base import validate as _validate
 from optax_lossscale._base.tree import array_leaves, explicit_spec, held, is_float_array
 
 __all__ = [
@@ -127,10 +128,14 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
 
   Args:
     tree: a pytree, typically of gradients.
-    chunk: leaves combined before one reduction.
+    chunk: leaves combined before one reduction, a positive integer.
 
   Returns:
     A scalar boolean array.
+
+  Raises:
+    ValueError: a leaf is not an array (a Python number), or ``chunk`` is
+      not a positive integer.
 
   Example:
     >>> import jax.numpy as jnp, optax_lossscale as ols
@@ -139,7 +144,24 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
     >>> bool(ols.all_finite([jnp.ones(3), jnp.array([1.0, jnp.inf])]))
     False
   """
-  return leaves_finite(array_leaves(tree), chunk=chunk)
+  leaves = array_leaves(tree)
+  groups = device_groups(leaves)
+  if len(groups) > 1:  # concrete leaves on several devices: a check each
+    return jnp.asarray(all(bool(leaves_finite(g, chunk=chunk)) for g in groups))
+  return leaves_finite(leaves, chunk=chunk)
+
+
+def device_groups(leaves: list[Any]) -> list[list[Any]]:
+  """``leaves`` grouped by the set of devices each lies on, for one check
+  each: a computation takes its arguments from one set, and a tree may
+  hold a leaf placed on another device. Traced leaves (under ``jax.jit``)
+  and host arrays are one group each."""
+  groups: dict[Any, list[Any]] = {}
+  for x in leaves:
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    key = frozenset(x.sharding.device_set) if concrete else type(x).__name__
+    groups.setdefault(key, []).append(x)
+  return list(groups.values())
 
 
 def leaves_finite(
@@ -151,6 +173,7 @@ def leaves_finite(
   is folded into the one reduction with the other chunks' verdicts, so the
   flag stays that reduction's output.
   """
+  chunk = _validate.int_in("chunk", chunk, 1)
   # Leaves are grouped by size and dtype or, when their type names mesh
   # axes (explicit sharding), by shape, dtype and partition spec: arrays of
   # other specs cannot be combined elementwise, concatenated, or always
@@ -297,9 +320,10 @@ def count_nonfinite(x: Any) -> tuple[int, int]:
     >>> _finite.count_nonfinite(jnp.array([jnp.nan, -jnp.inf, 1.0, jnp.nan]))
     (2, 1)
   """
-  x = np.ravel(np.asarray(x))
-  if not jnp.issubdtype(x.dtype, jnp.inexact):
+  dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+  if not jnp.issubdtype(dtype, jnp.inexact):  # before a PRNG key is fetched
     return 0, 0
+  x = np.ravel(np.asarray(x))
   if np.iscomplexobj(x):
     x = np.concatenate([x.real, x.imag])
   magnitude, mask = _magnitude(np.ascontiguousarray(_tested(x)))

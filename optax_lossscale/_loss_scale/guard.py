@@ -112,7 +112,8 @@ def nonfinite_leaves(tree: Any, caller: str = "check_checkpoint") -> list[str]:
     ValueError: called on traced values (``caller`` names the function).
   """
   leaves = _floating_leaves(tree, caller)
-  if bool(_all_finite([x for _, _, x in leaves])):
+  arrays = [x for _, _, x in leaves]
+  if all(bool(_all_finite(group)) for group in _finite.device_groups(arrays)):
     return []
   bad = []
   for path, leaf, x in leaves:

@@ -183,3 +183,25 @@ def test_noop_without_axis_name_under_shard_map_says_what_for():
   step = jax.shard_map(local, mesh=mesh, in_specs=(shards, P(), shards), out_specs=P())
   with pytest.raises(ValueError, match="NoOpLossScale skips nothing.*record it"):
     jax.jit(step)(params(), t.init(params()), grads(0, 1.0))
+
+
+@pytest.mark.parametrize("bad", [None, "b", "c"])
+def test_leaves_placed_on_other_devices_are_checked_where_they_lie(bad):
+  """A tree whose leaves lie on different devices (one placed by hand) is
+  checked by all_finite and check_checkpoint eagerly, one check per set of
+  devices: one jitted check of them all was refused, finite or not."""
+  devices = jax.devices()
+  tree = {
+    "a": jax.device_put(jnp.ones(3), devices[0]),
+    "b": jax.device_put(jnp.ones(2), devices[1]),
+    "c": jax.device_put(jnp.ones((N, 2)), NamedSharding(make_mesh(), P("data"))),
+    "host": np.ones(2, np.float32),
+  }
+  if bad is not None:
+    tree[bad] = tree[bad].at[-1].set(jnp.nan)
+  assert bool(ols.all_finite(tree)) == (bad is None)
+  if bad is None:
+    assert ols.check_checkpoint(tree) is tree
+  else:
+    with pytest.raises(ValueError, match=rf"at \['{bad}'\]: \d+ NaN"):
+      ols.check_checkpoint(tree)
