@@ -103,6 +103,9 @@ def test_numpy_leaves_are_checked_as_jax_holds_them(dtype, value, layout):
   finite = all(np.isfinite(np.asarray(jnp.asarray(x))).all() for x in leaves)
   assert bool(ols.all_finite(leaves)) == finite
   assert bool(jax.jit(ols.all_finite)(leaves)) == finite
+  # Closed over by a jitted function, beside a traced leaf.
+  beside = jax.jit(lambda g: ols.all_finite([g, *leaves]))
+  assert bool(beside(jnp.ones(2))) == finite
   if layout == "small":  # a NumPy scalar
     assert bool(ols.all_finite([dtype(value)])) == bool(
       np.isfinite(jnp.asarray(dtype(value)))

@@ -154,12 +154,13 @@ def all_finite(tree: Any, *, chunk: int = FINITE_CHECK_CHUNK) -> jax.Array:
 def device_groups(leaves: list[Any]) -> list[list[Any]]:
   """``leaves`` grouped by the set of devices each lies on, for one check
   each: a computation takes its arguments from one set, and a tree may
-  hold a leaf placed on another device. Traced leaves (under ``jax.jit``)
-  and host arrays are one group each."""
+  hold a leaf placed on another device. Leaves among which one is traced
+  (under ``jax.jit``) are one group; host arrays are one group."""
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return [list(leaves)]
   groups: dict[Any, list[Any]] = {}
   for x in leaves:
-    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    key = frozenset(x.sharding.device_set) if concrete else type(x).__name__
+    key = frozenset(x.sharding.device_set) if isinstance(x, jax.Array) else None
     groups.setdefault(key, []).append(x)
   return list(groups.values())
 
