@@ -79,6 +79,7 @@ _NUMPY_LAYOUTS = {  # the check's three paths: concatenated, combined, alone
   "small": lambda x: [x[:3]],
   "4 of one size": lambda x: [x[:3]] * 4,
   "large": lambda x: [np.resize(x, 70_000)],
+  "beside an empty leaf": lambda x: [x[:0], x[:3]],
 }
 
 
@@ -91,7 +92,7 @@ def _numpy_leaf(dtype, value):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("layout", list(_NUMPY_LAYOUTS))
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 1e300, 2.0])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16, jnp.bfloat16])
 def test_numpy_leaves_are_checked_as_jax_holds_them(dtype, value, layout):
   """A NumPy leaf is checked as the array JAX makes of it (float64 is
   float32 unless x64 is on, where 1e300 overflows to inf), eagerly, under
