@@ -49,15 +49,11 @@ Run:  python benchmarks/float8_profile.py [--small] [--out PATH]   (see --help)
 from __future__ import annotations
 
 import gc
-import glob
 import gzip
-import json
 import os
 import re
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 
@@ -82,6 +78,7 @@ from _harness import (  # noqa: E402
   table,
 )
 from _hlo import CATEGORIES, GEMM_TARGETS, Program  # noqa: E402
+from _trace import kernel_events, profile  # noqa: E402
 from _workloads import LR  # noqa: E402
 from gpu_transformer import decoder_loss, init_decoder, step_flops  # noqa: E402
 
@@ -116,8 +113,6 @@ MINIMUM = {"amax": 3, "cast": 3, "transpose/copy": 0}
 #: cuBLAS/cuBLASLt (``nvjet``, ``sm90_xmma_gemm``, ``cutlass``), cuDNN.
 GEMM_KERNEL = re.compile(r"gemm|xmma|cutlass|nvjet|cublas|cudnn|wgmma|matmul", re.I)
 COPY_KERNEL = re.compile(r"memcpy|memset|transpose|copy", re.I)
-#: Lines a GPU trace derives from the kernels (counting them would count twice).
-DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source", "Launch")
 
 
 def parse_sizes(text):
@@ -140,58 +135,8 @@ def parse_sizes(text):
 
 
 # --------------------------------------------------------------------------
-# The trace: kernel events, matched to the compiled step.
+# The trace's kernel events (``_trace``), matched to the compiled step.
 # --------------------------------------------------------------------------
-
-
-def load_trace(path):
-  """The ``traceEvents`` of a Chrome-trace JSON file (gzipped or not)."""
-  opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rt") as f:
-    return json.load(f)["traceEvents"]
-
-
-def kernel_events(events, module):
-  """The events of the step's kernels: ``[(name, hlo_op, microseconds)]``.
-
-  On a GPU: the complete events on the device's streams (the ``/device:``
-  processes, their ``Stream`` lines where they have some; the lines the
-  trace derives from them left out), those of another program (another
-  ``hlo_module``) left out. Without a device process (XLA:CPU, whose
-  thunks are traced on the host): the events that name an ``hlo_op`` of
-  ``module``.
-  """
-  procs, lines = {}, {}
-  for e in events:
-    if e.get("ph") == "M" and e.get("name") == "process_name":
-      procs[e["pid"]] = e.get("args", {}).get("name", "")
-    elif e.get("ph") == "M" and e.get("name") == "thread_name":
-      lines[e["pid"], e.get("tid")] = e.get("args", {}).get("name", "")
-  devices = {p for p, n in procs.items() if "/device:" in n and "CPU" not in n}
-  streams = {
-    (p, t) for (p, t), n in lines.items() if p in devices and n.startswith("Stream")
-  }
-  out = []
-  for e in events:
-    if e.get("ph") != "X" or "dur" not in e:
-      continue
-    args = e.get("args") or {}
-    hlo_op = args.get("hlo_op", "")
-    hlo_module = args.get("hlo_module", "").split("(")[0]  # "jit_step(12)"
-    if devices:
-      if e["pid"] not in devices:
-        continue
-      line = lines.get((e["pid"], e.get("tid")), "")
-      if streams and (e["pid"], e.get("tid")) not in streams:
-        continue
-      if line.startswith(DERIVED_LINES):
-        continue
-      if hlo_module and hlo_module != module:
-        continue
-    elif not hlo_op or hlo_module != module or e["name"].startswith("end: "):
-      continue
-    out.append((e["name"], hlo_op, float(e["dur"])))
-  return out
 
 
 def split_time(events, program, steps):
@@ -243,28 +188,6 @@ def split_time(events, program, steps):
     "unattributed_ms": how_ms["none"],
     "kernels": ranked,
   }
-
-
-def profile(compiled, carry, batch, steps, trace_path):
-  """Traces ``steps`` calls of ``compiled``; ``(carry, events of the trace)``.
-
-  The trace (Chrome-trace JSON, gzipped) is copied to ``trace_path``.
-  """
-  with tempfile.TemporaryDirectory() as log_dir:
-    jax.profiler.start_trace(log_dir, create_perfetto_trace=True)
-    try:
-      for i in range(steps):
-        with jax.profiler.StepTraceAnnotation("train", step_num=i):
-          carry = compiled(carry, batch)
-          jax.block_until_ready(carry)
-    finally:
-      jax.profiler.stop_trace()
-    found = glob.glob(os.path.join(log_dir, "**", "*trace.json.gz"), recursive=True)
-    perfetto = [p for p in found if os.path.basename(p) == "perfetto_trace.json.gz"]
-    path = (perfetto or found)[0]
-    os.makedirs(os.path.dirname(trace_path), exist_ok=True)
-    shutil.copyfile(path, trace_path)
-    return carry, load_trace(path)
 
 
 # --------------------------------------------------------------------------

@@ -40,6 +40,7 @@ import numpy as np
 import optax
 from _harness import measure_many, tree_bytes
 from _tasks import lm_task, mlp_task
+from _trace import kernel_time
 
 import optax_lossscale as ols
 
@@ -220,6 +221,10 @@ def parts_table(rows, n) -> str:
   return "\n".join(lines)
 
 
+#: Calls of each update step traced for its kernels' time.
+KERNEL_STEPS = 5
+
+
 def update_costs(calls, rounds, n_layers=16, width=512, by_part=True):
   """The update step of each configuration on bench.py's workload (by default
   its 8.4M parameters), and with ``by_part`` each setup's bytes by part."""
@@ -247,13 +252,19 @@ def update_costs(calls, rounds, n_layers=16, width=512, by_part=True):
         print(f"{name}: {errors[name]}", flush=True)
         continue
     entries.append((step, (params, state), grads))
-  results = iter(measure_many(entries, calls, rounds=rounds))
+  measured = measure_many(entries, calls, rounds=rounds, keep_compiled=True)
+  for r in measured:  # the device's own time: the kernels of a traced call
+    _, r["kernels"], r["kernel_us"] = kernel_time(
+      r.pop("compiled"), r.pop("carry"), grads, KERNEL_STEPS
+    )
+  results = iter(measured)
   rows = [
     f"Update step on {n:,} parameters in {len(jax.tree.leaves(params32))} leaves:",
     "",
     "| setup | params + state, bytes/param | bytes accessed | vs float32 Adam "
-    "| temporary memory | time | vs float32 Adam |",
-    "| --- | --- | --- | --- | --- | --- | --- |",
+    "| temporary memory | time | vs float32 Adam | kernels | kernel time "
+    "| vs float32 Adam |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   ref = None
   for name, (pb, sb) in zip(COST_CONFIGS, bytes_, strict=True):
@@ -270,13 +281,16 @@ def update_costs(calls, rounds, n_layers=16, width=512, by_part=True):
     rows.append(
       f"| {name} | {pb:.2f} + {sb:.2f} = {pb + sb:.2f} | {accessed} | "
       f"{r['temp_bytes'] / 1e6:.1f} MB | {r['median_s'] * 1e3:.2f} ms | "
-      f"{r['median_s'] / ref['median_s']:.2f}x |"
+      f"{r['median_s'] / ref['median_s']:.2f}x | {r['kernels']:.0f} | "
+      f"{r['kernel_us']:.1f} us | {r['kernel_us'] / ref['kernel_us']:.2f}x |"
     )
   rows += [
     "",
     '"flat": `layout="flat"`. Not counted: XLA counts a fused slice of an array '
     "as reading all of it, and each of the flat layout's leaves is a slice of "
-    "one buffer.",
+    "one buffer. *time*: a call's, from the host (dispatch included); "
+    f"*kernels*, *kernel time*: the device's kernels of one call and their summed "
+    f"time, from a `jax.profiler` trace of {KERNEL_STEPS} calls (`_trace.py`).",
   ]
   return "\n".join(rows) + ("\n\n" + parts_table(parts, n) if by_part else "")
 
@@ -329,6 +343,8 @@ def main(argv=None):
   p.add_argument("--lm-lr", type=float, default=1e-3, help="transformer learning rate")
   p.add_argument("--mlp-lr", type=float, default=3e-4, help="MLP learning rate")
   p.add_argument("--calls", type=int, default=20, help="timed update steps a round")
+  p.add_argument("--layers", type=int, default=16, help="costs: the workload's layers")
+  p.add_argument("--width", type=int, default=512, help="costs: the layers' width")
   p.add_argument("--quick", action="store_true", help="a few steps of everything")
   p.add_argument("--sections", default="costs,train,nu", help="comma-separated")
   p.add_argument("--models", default="mlp,lm", help="train: comma-separated")
@@ -344,7 +360,14 @@ def main(argv=None):
   sections = args.sections.split(",")
   parts = []
   if "costs" in sections:
-    parts.append(update_costs(args.calls, rounds=1 if args.quick else 3))
+    parts.append(
+      update_costs(
+        args.calls,
+        rounds=1 if args.quick else 3,
+        n_layers=args.layers,
+        width=args.width,
+      )
+    )
     print(parts[-1], flush=True)
   if "train" in sections:
     seeds = range(args.seeds)

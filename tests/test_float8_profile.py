@@ -32,6 +32,7 @@ _DATA = pathlib.Path(__file__).parent / "data"
 
 hlo = benchmark_modules.load("_hlo")
 profile = benchmark_modules.load("float8_profile")
+trace = benchmark_modules.load("_trace")
 gpu_transformer = benchmark_modules.load("gpu_transformer")
 train_step = benchmark_modules.load("train_step")
 
@@ -328,7 +329,7 @@ def test_gpu_trace_split(float8_step, tmp_path):
   path = tmp_path / "trace.json.gz"
   with gzip.open(path, "wt") as f:
     json.dump(_gpu_trace(module, kernels), f)
-  events = profile.kernel_events(profile.load_trace(str(path)), module)
+  events = trace.kernel_events(trace.load_trace(str(path)), module)
   assert len(events) == len(kernels) - 1  # one of each, on the stream alone
   split = profile.split_time(events, program, steps)
   ms = {c: t * steps * 1e3 for c, t in split["ms"].items()}  # back to microseconds
@@ -386,7 +387,7 @@ def test_cpu_trace_events(float8_step):
       "args": {"hlo_op": "x", "hlo_module": "jit_other"},
     }
   )
-  assert profile.kernel_events(events, program.module) == [(n, n, 3.0) for n in some]
+  assert trace.kernel_events(events, program.module) == [(n, n, 3.0) for n in some]
   empty = profile.split_time([], program, 3)
   assert empty["total_ms"] == 0 and empty["events"] == 0 and empty["kernels"] == []
 
@@ -630,6 +631,6 @@ def test_small_report_split(small_report):
     assert int(line[2]) == 3 * n
     assert int(line[5]) == int(line[7]) == 3 * n
     for name in profile.PRECISIONS:
-      trace = out.parent / "report_traces" / f"d{d}_{name}.json.gz"
-      assert profile.load_trace(str(trace))
+      path = out.parent / "report_traces" / f"d{d}_{name}.json.gz"
+      assert trace.load_trace(str(path))
       assert f"<summary>d_model {d}, {name}: the kernels" in text
