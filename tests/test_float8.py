@@ -121,6 +121,39 @@ def test_one_matmul_within_the_float8_bound_forward_and_backward(name):
     assert np.all(err <= bound), (side, np.max(err - bound))
 
 
+# DOTS' layouts, large enough for float8 GEMMs (``_float8.small`` widens a
+# tiny product's operands to float32).
+LARGE_DOTS = {
+  "dense": DOTS["dense"],
+  "attention": ((2, 50, 3, 16), (2, 70, 3, 16), DOTS["attention"][2]),
+  "two contractions": ((3, 70, 20), (20, 3, 50), DOTS["two contractions"][2]),
+  "batch last": ((6, 20, 50), (50, 6, 40), DOTS["batch last"][2]),
+}
+
+
+@pytest.mark.parametrize("name", LARGE_DOTS)
+def test_each_gradient_product_keeps_the_forward_operand_order(name):
+  """``d lhs = g . rhs`` and ``d rhs = lhs . g``: the output gradient takes
+  the place of the operand whose cotangent it makes. Written ``g . lhs``, a
+  weight's gradient comes out of XLA's GPU float8 GEMM transposed, and the
+  update step reads it through a transposing kernel and copies the
+  parameter and its moments (BENCHMARKS.md)."""
+  sa, sb, dn = LARGE_DOTS[name]
+  recipe = _float8.Float8Matmul()
+  f = lambda a, b: _float8.dot_general(a, b, dn, jnp.float32, recipe)  # noqa: E731
+  a, b = jnp.ones(sa), jnp.ones(sb)
+  jaxpr = jax.make_jaxpr(lambda a, b, g: jax.vjp(f, a, b)[1](g))(a, b, f(a, b))
+  dots = [
+    [(v.aval.dtype, v.aval.shape) for v in e.invars]
+    for e in eqns(jaxpr.jaxpr)
+    if e.primitive.name == "dot_general"
+  ]
+  g = (E5M2, jax.eval_shape(f, a, b).shape)
+  assert sorted(dots, key=str) == sorted(
+    [[(E4M3, sa), (E4M3, sb)], [g, (E4M3, sb)], [(E4M3, sa), g]], key=str
+  )
+
+
 @pytest.mark.parametrize("name", DOTS)
 def test_power_of_two_scales_are_exact_on_representable_values(name):
   # Small integers are exact in e4m3 and e5m2 after a power-of-two scale,

@@ -362,10 +362,13 @@ def _transpose(
   """The cotangent of operand ``wrt`` (0: lhs, 1: rhs) of a ``dot_general``.
 
   ``g`` is the output's cotangent and ``other`` the other operand. The
-  output of ``dot_general`` is laid out as (batch, lhs free, rhs free);
-  contracting ``g``'s free axes of ``other`` with ``other``'s free axes
-  leaves (batch, free axes of ``wrt``, contracting axes of ``other`` in
-  ascending order), which a transpose puts in operand ``wrt``'s order.
+  output of ``dot_general`` is laid out as (batch, lhs free, rhs free).
+  Contracting ``g``'s free axes of ``other`` with ``other``'s free axes,
+  the product keeps the forward's operand order (``g . rhs`` for the left
+  operand, ``lhs . g`` for the right), which leaves (batch, free axes of
+  ``wrt``, contracting axes of ``other`` in ascending order) for the left
+  and (batch, contracting axes of ``other``, free axes of ``wrt``) for the
+  right; a transpose puts them in operand ``wrt``'s order.
   ``operand`` (the float8 operand ``wrt``) gives the cotangent its sharding
   under explicit sharding; ``precision`` is the product's.
   """
@@ -380,16 +383,24 @@ def _transpose(
   g_free = [list(range(nb, nb + n0)), list(range(nb + n0, nb + n0 + n1))]
   contract = (lc, rc)
   mine, theirs = wrt, 1 - wrt
-  # Operand `mine`'s axis for each axis of the product.
-  order = [
-    *(lb, rb)[mine],
-    *free[mine],
-    *(contract[mine][contract[theirs].index(d)] for d in sorted(contract[theirs])),
+  contracted = [
+    contract[mine][contract[theirs].index(d)] for d in sorted(contract[theirs])
   ]
+  # The forward product's operand order kept: d lhs = g . rhs^T, d rhs =
+  # lhs^T . g. In the other order XLA's GPU backend writes a float8 weight
+  # gradient transposed, and the update then transposes it (BENCHMARKS.md).
+  # `order`: operand `mine`'s axis for each axis of the product.
+  if wrt == 0:
+    operands = (g, other)
+    dims = ((g_free[theirs], free[theirs]), (batch, (lb, rb)[theirs]))
+    order = [*(lb, rb)[mine], *free[mine], *contracted]
+  else:
+    operands = (other, g)
+    dims = ((free[theirs], g_free[theirs]), ((lb, rb)[theirs], batch))
+    order = [*(lb, rb)[mine], *contracted, *free[mine]]
   out = _scaled_dot(
-    g,
-    other,
-    ((g_free[theirs], free[theirs]), (batch, (lb, rb)[theirs])),
+    *operands,
+    dims,
     scale,
     out_dtype,
     exact,
