@@ -254,6 +254,38 @@ def test_error_paths_benchmark_runs_and_times_each_path():
   assert rows == ["5", "12"], out
 
 
+@pytest.mark.integration
+def test_gpu_measure_runs_the_steps_it_is_given_and_refuses_others(tmp_path):
+  """``gpu_measure.sh --small DIR costs_large``: that step's report, with the
+  device's kernels and their time beside each setup, and its log; an
+  unknown step is refused before anything runs."""
+  import re
+
+  script = os.path.join(_BENCH, "gpu_measure.sh")
+  env = {**os.environ, "PYTHON": sys.executable}
+  run = lambda *a: subprocess.run(  # noqa: E731
+    ["bash", script, "--small", str(tmp_path), *a],
+    capture_output=True,
+    text=True,
+    timeout=600,
+    env=env,
+  )
+  bad = run("costs", "float9")
+  assert bad.returncode == 2 and "unknown step: float9" in bad.stderr
+  assert not os.listdir(tmp_path)
+  done = run("costs_large")
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert sorted(os.listdir(tmp_path)) == [
+    "costs_large.log",
+    "quantize_state_costs_large.md",
+  ]
+  with open(tmp_path / "quantize_state_costs_large.md") as f:
+    text = f.read()
+  adam = r"^\| float32 Adam \|.* \| (\d+) \| ([\d.]+) us \| 1.00x \|$"
+  rows = re.findall(adam, text, re.M)
+  assert len(rows) == 1 and int(rows[0][0]) > 0 and float(rows[0][1]) > 0, text
+
+
 @versions.examples
 @versions.block_formats
 @pytest.mark.integration
