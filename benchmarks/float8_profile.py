@@ -87,6 +87,20 @@ import optax_lossscale as ols  # noqa: E402
 #: name -> (how the float32 loss is wrapped, in words; the wrapping): the
 #: GPU transformer's bfloat16 and float8.
 PRECISIONS = {k: _transformer.PRECISIONS[k] for k in ("bfloat16", "float8")}
+
+
+def float8_precision(min_size):
+  """The float8 precision's ``(description, wrap)``: the default recipe, or
+  with ``min_size`` (``--min-size``) its matmuls with an M, K or N below it
+  kept in bfloat16."""
+  if not min_size:
+    return _transformer.PRECISIONS["float8"]
+  recipe = ols.Float8Matmul(min_size=min_size)
+  return (
+    "`ols.autocast(loss_fn, compute_dtype=jnp.bfloat16, "
+    f"matmul=ols.Float8Matmul(min_size={min_size}))`",
+    lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=recipe),
+  )
 #: Each size: d_model:layers:heads:seq:batch (8192 tokens a step; with Adam's
 #: float32 state the largest takes about 40 GB).
 SIZES = "1024:8:16:1024:8,2048:4:16:2048:4,4096:2:32:2048:4"
@@ -572,6 +586,12 @@ def parse_args(argv=None):
     help="steps of training on text before the loss is taken (0: none)",
   )
   add("--eval-batches", type=int, default=4, help="held-out batches of the loss")
+  add(
+    "--min-size",
+    type=int,
+    default=0,
+    help="float8: Float8Matmul(min_size=N), bfloat16 below it (0: the default)",
+  )
   args = parser.parse_args(argv)
   small_defaults(parser, args, SMALL)
   try:
@@ -581,7 +601,7 @@ def parse_args(argv=None):
   for key in ("calls", "rounds", "profile_steps", "eval_batches"):
     if getattr(args, key) < 1:
       parser.error(f"--{key.replace('_', '-')} must be at least 1")
-  for key in ("warmup", "loss_steps"):
+  for key in ("warmup", "loss_steps", "min_size"):
     if getattr(args, key) < 0:
       parser.error(f"--{key.replace('_', '-')} must be at least 0")
   if args.vocab < 256:
@@ -591,6 +611,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
+  PRECISIONS["float8"] = float8_precision(args.min_size)
   # Before JAX starts its backend. The largest size holds its parameters and
   # Adam's state twice while it times (each step's own, donated, and the
   # originals) and about 30 GB of temporaries: more than JAX's default 75%

@@ -413,6 +413,26 @@ def test_sizes():
   assert {s["seq"] * s["batch"] for s in sizes} == {8192}
 
 
+def test_min_size_keeps_the_float8_precisions_small_matmuls_in_bfloat16():
+  """``--min-size N``: the float8 precision is ``Float8Matmul(min_size=N)``,
+  its report line says so, and its matmuls with a dimension below N are
+  listed as kept "small"; 0 is the default recipe; a negative one is
+  refused."""
+  assert profile.parse_args(["--small"]).min_size == 0
+  assert profile.float8_precision(0) == profile.PRECISIONS["float8"]
+  how, wrap = profile.float8_precision(64)
+  assert "Float8Matmul(min_size=64)" in how
+
+  def loss(w, v, x):
+    return jnp.sum((x @ w) @ v)
+
+  w, v, x = jnp.ones((128, 256)), jnp.ones((256, 32)), jnp.ones((96, 128))
+  kept = [m.kept for m in ols.list_matmuls(wrap(loss), w, v, x)]
+  assert kept == [None, "small"]
+  with pytest.raises(SystemExit):
+    profile.parse_args(["--min-size", "-1"])
+
+
 # --------------------------------------------------------------------------
 # The proxy: passes over memory per float8 matmul, in the compiled step.
 # --------------------------------------------------------------------------
