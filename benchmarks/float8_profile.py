@@ -101,6 +101,8 @@ def float8_precision(min_size):
     f"matmul=ols.Float8Matmul(min_size={min_size}))`",
     lambda f: ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=recipe),
   )
+
+
 #: Each size: d_model:layers:heads:seq:batch (8192 tokens a step; with Adam's
 #: float32 state the largest takes about 40 GB).
 SIZES = "1024:8:16:1024:8,2048:4:16:2048:4,4096:2:32:2048:4"
