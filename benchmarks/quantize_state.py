@@ -39,7 +39,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from _harness import measure_many, tree_bytes
-from _tasks import lm_task, mlp_task
 from _trace import kernel_time
 
 import optax_lossscale as ols
@@ -304,6 +303,8 @@ def _roundtrip(x, root):
 
 def nu_storage(steps, lr, eps=1e-8):
   """Adam's step factor 1/(sqrt(nu)+eps) after quantising nu two ways."""
+  from _tasks import lm_task  # the models are Flax's: ``costs`` runs without it
+
   _, params, batches, loss_fn, evaluate = lm_task(steps, 0)
   r = train("float32 Adam", params, batches, loss_fn, evaluate, lr)
   nu = [x for x in jax.tree.leaves(r["final"][1][0].nu) if x.size >= 4096]
@@ -370,6 +371,8 @@ def main(argv=None):
     )
     print(parts[-1], flush=True)
   if "train" in sections:
+    from _tasks import lm_task, mlp_task  # Flax's models, as in nu_storage
+
     seeds = range(args.seeds)
     models = args.models.split(",")
     if "mlp" in models:
