@@ -81,8 +81,11 @@ def _reference(weight_decay, lr=LR, **options):
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("store_sqrt", [True, False])
 def test_the_kernels_agree_and_store_quantize_states_bits(
-  weight_decay, rounding, store_sqrt
+  weight_decay, rounding, store_sqrt, monkeypatch
 ):
+  # one program a tile of up to 16 blocks (these leaves are too small for
+  # the default's 1024 programs, which would make every tile one block)
+  monkeypatch.setattr(fused, "_PROGRAMS", 1)
   options = dict(rounding=rounding, store_sqrt=store_sqrt)
   params = _params()
   ref = _train(_reference(weight_decay, **options), params)
@@ -188,16 +191,23 @@ def _quantised(state):
   return [x for x in jax.tree.leaves(state, is_leaf=is_q) if is_q(x)]
 
 
-def test_a_tile_is_whole_blocks_dividing_the_leaf():
-  for rows, block_size, want in [
-    (32, 256, 16),
-    (20, 256, 4),
-    (33, 256, 1),
-    (6, 4096, 1),
+def test_a_tile_is_whole_blocks_dividing_the_leaf_and_leaves_enough_programs():
+  for rows, block_size, programs, want in [
+    (32, 256, 1, 16),
+    (20, 256, 1, 4),
+    (33, 256, 1, 1),
+    (6, 4096, 1, 1),
+    (32, 256, 4, 8),  # 16 would leave 2 programs
+    (1024, 256, 1024, 1),  # a 512 x 512 leaf: one block a program
+    (4096, 256, 1024, 4),
+    (2**20, 256, 1024, 16),  # at most _TILE elements
+    (3 * 2**12, 256, 1024, 8),  # 16 does not leave 1024
+    (48, 256, 1024, 1),  # fewer blocks than programs
   ]:
-    tile = fused._tile_rows(rows, block_size)
+    tile = fused._tile_rows(rows, block_size, programs)
     assert tile == want and rows % tile == 0
     assert tile * block_size <= max(fused._TILE, block_size)
+    assert tile == 1 or rows // tile >= programs
 
 
 @pytest.mark.parametrize(
@@ -313,3 +323,33 @@ def test_one_reduction_finds_both_moments_block_extremes():
   names = [e.primitive.name for e in all_eqns(jaxpr.jaxpr)]
   assert names.count("reduce") == 2  # the two quantised leaves
   assert "reduce_min" not in names and "reduce_max" not in names
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_the_kernel_writes_codes_and_scales_in_place_and_the_callers_state_survives(
+  weight_decay, rounding
+):
+  # Each quantised leaf's kernel aliases its codes and scales (inputs) to
+  # its new ones (outputs), so that XLA writes the state's donated buffers
+  # instead of new ones and a copy of each; a state not donated is kept.
+  params = _params()
+  tx = ols.adam_8bit(LR, weight_decay=weight_decay, kernel="pallas", rounding=rounding)
+  state = tx.init(params)
+  grads = _grads(params, 0)
+  jaxpr = jax.make_jaxpr(tx.update)(grads, state, params).jaxpr
+  calls = [e for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+  assert len(calls) == len(SHAPES) - 1  # one a quantised leaf
+  for e in calls:
+    aliases = dict(e.params["input_output_aliases"])
+    outs = [v.aval for v in e.outvars]
+    # the outputs: update, then mu's codes and scales, nu's codes and scales
+    assert sorted(aliases.values()) == [1, 2, 3, 4]
+    for i, o in aliases.items():
+      assert e.invars[i].aval.shape == outs[o].shape
+      assert e.invars[i].aval.dtype == outs[o].dtype
+    assert [outs[o].dtype for o in (1, 3)] == [jnp.uint8, jnp.uint8]
+  before = _bits(state)
+  once = jax.jit(tx.update)(grads, state, params)  # not donated
+  assert _bits(state) == before
+  assert _bits(jax.jit(tx.update)(grads, state, params)) == _bits(once)

@@ -42,6 +42,11 @@ _KERNELS = ("xla", "pallas")
 _F32 = jnp.dtype(jnp.float32)
 #: Elements a Pallas program handles (its tile: whole blocks, at most this many).
 _TILE = 4096
+#: Programs a Pallas kernel is launched with at least, where a leaf has the
+#: blocks: a GPU runs each program on one multiprocessor, and tiles of 4096
+#: on the 8-bit workload's leaves (64 programs, an H200 has 132
+#: multiprocessors) left most of it idle (BENCHMARKS.md, 8-bit state).
+_PROGRAMS = 1024
 
 
 @_tree.rebuilt_as_itself
@@ -247,9 +252,12 @@ def adam_8bit(
       sqrt=store_sqrt,
       stochastic=stochastic,
       kernel=kernel,
+      programs=_PROGRAMS,
     )
+    # Adam reads no parameter (AdamW's decay does): the kernel is not given one.
+    reads = ps if options["weight_decay"] else [None] * len(ps)
     for i in fused:
-      out_u[i], out_m[i], out_v[i] = leaf_step(grads[i], ps[i], mus[i], nus[i])
+      out_u[i], out_m[i], out_v[i] = leaf_step(grads[i], reads[i], mus[i], nus[i])
     head, *tail = jax.tree.unflatten(scalar_def, new_scalars)
     head = head._replace(
       mu=jax.tree.unflatten(treedef, out_m), nu=jax.tree.unflatten(treedef, out_v)
@@ -271,11 +279,12 @@ def adam_8bit(
   )
 
 
-def _tile_rows(rows: int, block_size: int) -> int:
+def _tile_rows(rows: int, block_size: int, programs: int = _PROGRAMS) -> int:
   """Blocks a Pallas program handles: the largest power of two up to
-  ``_TILE // block_size`` (at least 1) that divides ``rows``."""
+  ``_TILE // block_size`` that divides ``rows`` and leaves at least
+  ``programs`` programs (1 where none does)."""
   t = max(1, _TILE // block_size)
-  while rows % t:
+  while t > 1 and (rows % t or rows // t < programs):
     t //= 2
   return t
 
@@ -285,7 +294,15 @@ def _tile_rows(rows: int, block_size: int) -> int:
 # with the shapes, less with the leaves.
 @functools.partial(
   jax.jit,
-  static_argnames=("step", "scalar_def", "block_size", "sqrt", "stochastic", "kernel"),
+  static_argnames=(
+    "step",
+    "scalar_def",
+    "block_size",
+    "sqrt",
+    "stochastic",
+    "kernel",
+    "programs",
+  ),
 )
 def _fused_leaf(
   scalars,
@@ -301,10 +318,12 @@ def _fused_leaf(
   sqrt,
   stochastic,
   kernel,
+  programs,
 ):
   """One quantised leaf's update and new codes and scales, each block
   decoded, updated by ``step(scalar_def, ...)`` and encoded (stochastically:
-  at step ``count``) in one pass, its unchanged blocks kept."""
+  at step ``count``) in one pass, its unchanged blocks kept; a Pallas kernel
+  has at least ``programs`` programs where the leaf has the blocks."""
   step = functools.partial(step, scalar_def)
   shape, size = tuple(g.shape), math.prod(g.shape)
   blocks = [_codec.blocks(g, block_size)] + (
@@ -375,7 +394,7 @@ def _fused_leaf(
     rows = [x.reshape(-1, block_size) for x in (*arrays, mc)] + [ms.reshape(-1)]
     rows += [vc.reshape(-1, block_size), vs.reshape(-1)]
     u, mc, ms, vc, vs = _pallas(
-      body, scalars, rows, _tile_rows(rows[0].shape[0], block_size)
+      body, scalars, rows, _tile_rows(rows[0].shape[0], block_size, programs)
     )
   leaf = lambda c, s, like, new: QuantizedLeaf(  # noqa: E731
     _codec.unblocked(c, shape, block_size),
@@ -392,7 +411,13 @@ def _fused_leaf(
 
 
 def _pallas(body, scalars, rows, tile):
-  """``body`` as a Pallas kernel over tiles of ``tile`` blocks: its outputs."""
+  """``body`` as a Pallas kernel over tiles of ``tile`` blocks: its outputs.
+
+  The codes and scales (the last four rows, the last four outputs) are
+  written in place: a program reads its tile before writing it, and tiles
+  do not overlap. Without that XLA writes them to new buffers and copies
+  each into the state's donated one (BENCHMARKS.md, 8-bit state).
+  """
   from jax.experimental import pallas as pl
 
   n_rows, block_size = rows[0].shape
@@ -429,6 +454,9 @@ def _pallas(body, scalars, rows, tile):
     in_specs=[pl.BlockSpec((1,), lambda i: (0,)) for _ in scalars]
     + [spec(r) for r in rows],
     out_specs=[spec(o) for o in out_shape],
+    input_output_aliases={
+      n_in + len(rows) - 4 + k: len(out_shape) - 4 + k for k in range(4)
+    },
     interpret=jax.default_backend() != "gpu",
     **_triton(),
   )(*scalars, *rows)
