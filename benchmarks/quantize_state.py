@@ -7,7 +7,8 @@ Three sections:
   parameter, XLA's cost-analysis "bytes accessed", XLA's temporary memory
   and the median time, for ``optax.adam`` and ``quantize_state(optax.adam)``,
   and for bfloat16 parameters under ``master_weights(store="remainder")``
-  around each; then each setup's bytes a parameter by part (parameters,
+  around each, and on a GPU ``adam_8bit``'s Pallas kernel (its update, and
+  its ``apply_gradients``); then each setup's bytes a parameter by part (parameters,
   masters, moments, block scales, the rest) beside the figures
   bitsandbytes and torchao publish for their 8-bit optimizers;
 * ``train``: the main example's transformer and the digits MLP
@@ -83,11 +84,20 @@ COST_CONFIGS = {
 #: XLA counts a fused slice as reading its whole operand: the flat layout's
 #: leaves are slices of one buffer, so its "bytes accessed" measures nothing.
 _SLICED = ", flat"
-if jax.default_backend() == "gpu":  # elsewhere Pallas' interpreter: not a measurement
-  COST_CONFIGS["float32 params + adam_8bit (Pallas kernel)"] = (
-    F32,
-    lambda lr: ols.adam_8bit(lr, kernel="pallas"),
-  )
+#: The Pallas kernel's setups, measured on a GPU (elsewhere Pallas'
+#: interpreter runs it: not a measurement).
+PALLAS_CONFIGS = dict.fromkeys(
+  (
+    "float32 params + adam_8bit (Pallas kernel)",
+    "float32 params + adam_8bit (Pallas kernel), apply_gradients",
+  ),
+  (F32, lambda lr: ols.adam_8bit(lr, kernel="pallas")),
+)
+#: Setups whose step is ``tx.apply_gradients`` (the kernel writes the
+#: parameters) rather than ``tx.update`` and ``optax.apply_updates``.
+APPLIED = {name for name in PALLAS_CONFIGS if name.endswith("apply_gradients")}
+if jax.default_backend() == "gpu":
+  COST_CONFIGS.update(PALLAS_CONFIGS)
 
 
 def train(name, params, batches, loss_fn, evaluate, lr, configs=CONFIGS):
@@ -224,22 +234,27 @@ def parts_table(rows, n) -> str:
 KERNEL_STEPS = 5
 
 
-def update_costs(calls, rounds, n_layers=16, width=512, by_part=True):
-  """The update step of each configuration on bench.py's workload (by default
-  its 8.4M parameters), and with ``by_part`` each setup's bytes by part."""
+def update_costs(
+  calls, rounds, n_layers=16, width=512, by_part=True, configs=COST_CONFIGS
+):
+  """The update step of each of ``configs`` (the first the reference) on
+  bench.py's workload (by default its 8.4M parameters), and with
+  ``by_part`` each setup's bytes by part."""
   params32 = w.layers(n_layers, width)
   n = sum(p.size for p in jax.tree.leaves(params32))
   grads = w.grads_like(params32)
   entries, bytes_, parts, errors = [], [], [], {}
-  for name, (dtype, make) in COST_CONFIGS.items():
+  for name, (dtype, make) in configs.items():
     params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
     tx = make(w.LR)
     state = tx.init(params)
     bytes_.append((tree_bytes(params) / n, tree_bytes(state) / n))
     parts.append((name, tree_bytes(params), _parts(state)))
 
-    def step(carry, g, tx=tx):
+    def step(carry, g, tx=tx, applied=name in APPLIED):
       p, s = carry
+      if applied:
+        return tx.apply_gradients(g, s, p)
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s
 
@@ -266,7 +281,7 @@ def update_costs(calls, rounds, n_layers=16, width=512, by_part=True):
     "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   ref = None
-  for name, (pb, sb) in zip(COST_CONFIGS, bytes_, strict=True):
+  for name, (pb, sb) in zip(configs, bytes_, strict=True):
     if name in errors:
       rows.append(f"| {name} | {pb:.2f} + {sb:.2f} = {pb + sb:.2f} | {errors[name]} |")
       continue
@@ -287,7 +302,10 @@ def update_costs(calls, rounds, n_layers=16, width=512, by_part=True):
     "",
     '"flat": `layout="flat"`. Not counted: XLA counts a fused slice of an array '
     "as reading all of it, and each of the flat layout's leaves is a slice of "
-    "one buffer. *time*: a call's, from the host (dispatch included); "
+    "one buffer. *apply_gradients*: the step is `tx.apply_gradients(grads, "
+    "state, params)`, whose kernel writes the parameters, where the others "
+    "are `tx.update` and `optax.apply_updates`. "
+    "*time*: a call's, from the host (dispatch included); "
     f"*kernels*, *kernel time*: the device's kernels of one call and their summed "
     f"time, from a `jax.profiler` trace of {KERNEL_STEPS} calls (`_trace.py`).",
   ]

@@ -353,3 +353,66 @@ def test_the_kernel_writes_codes_and_scales_in_place_and_the_callers_state_survi
   once = jax.jit(tx.update)(grads, state, params)  # not donated
   assert _bits(state) == before
   assert _bits(jax.jit(tx.update)(grads, state, params)) == _bits(once)
+
+
+def _close_params(got, want, updates, bound=6):
+  """``got`` is ``want`` (``params + updates``) but for the updates' few
+  units in the last place (each program rewrites Adam's divisions as it
+  fuses them: the test above) and the sum's one rounding."""
+  for a, b, u in zip(*map(jax.tree.leaves, (got, want, updates)), strict=True):
+    a, b, u = (np.asarray(x, np.float32) for x in (a, b, u))
+    ulp = np.spacing(np.maximum(np.abs(u), np.float32(LR)))
+    assert np.all(np.abs(a - b) <= bound * ulp + np.spacing(np.abs(b)))
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_apply_gradients_is_update_then_apply_updates(
+  kernel, weight_decay, rounding, dtype
+):
+  # three steps, the old state and parameters donated: the state bit for
+  # bit the update's, the parameters optax's apply_updates of its updates
+  params = _params(jnp.dtype(dtype))
+  tx = ols.adam_8bit(LR, weight_decay=weight_decay, rounding=rounding, kernel=kernel)
+  update = jax.jit(tx.update)
+  apply = jax.jit(tx.apply_gradients, donate_argnums=(1, 2))
+  state = tx.init(params)
+  ref_params, ref_state = params, state
+  params = jax.tree.map(jnp.copy, params)  # donated below
+  for t in range(3):
+    grads = _grads(params, t)
+    u, ref_state = update(grads, ref_state, ref_params)
+    want = optax.apply_updates(ref_params, u)
+    params, state = apply(grads, state, params)
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    assert all(
+      a.dtype == b.dtype
+      for a, b in zip(*map(jax.tree.leaves, (params, want)), strict=True)
+    )
+    assert _bits(state) == _bits(ref_state)
+    _close_params(params, want, u, bound=6 if dtype == "float32" else 0)
+    ref_params = params  # each step from the same parameters
+
+
+def test_apply_gradients_writes_the_parameters_in_place_and_needs_them():
+  params = _params()
+  tx = ols.adam_8bit(LR, kernel="pallas")
+  state, grads = tx.init(params), _grads(params, 0)
+  jaxpr = jax.make_jaxpr(tx.apply_gradients)(grads, state, params).jaxpr
+  calls = [e for e in all_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+  assert len(calls) == len(SHAPES) - 1
+  for e in calls:
+    aliases = dict(e.params["input_output_aliases"])
+    assert sorted(aliases.values()) == [0, 1, 2, 3, 4]
+    (param,) = [i for i, o in aliases.items() if o == 0]
+    assert e.invars[param].aval.dtype == e.outvars[0].aval.dtype == jnp.float32
+  before = _bits((params, state))
+  new = jax.jit(tx.apply_gradients)(grads, state, params)  # nothing donated
+  assert _bits((params, state)) == before
+  assert _bits(jax.jit(tx.apply_gradients)(grads, state, params)) == _bits(new)
+  for kernel in ("xla", "pallas"):
+    tx = ols.adam_8bit(LR, kernel=kernel)
+    with pytest.raises(ValueError, match="apply_gradients.*needs the parameters"):
+      tx.apply_gradients(grads, tx.init(params), None)

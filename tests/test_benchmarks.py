@@ -656,6 +656,25 @@ def test_the_8bit_bytes_by_part_add_up_to_the_state():
   assert all(name in table for name, _ in qs.PUBLISHED)
 
 
+def test_the_8bit_costs_measure_the_pallas_kernel_both_ways():
+  """``quantize_state.py``'s GPU setups (Pallas' interpreter here, tiny):
+  each a row of numbers against float32 Adam, the kernel's
+  ``apply_gradients`` as its step where named so."""
+  import re
+
+  qs = _script("quantize_state")
+  configs = {"float32 Adam": qs.COST_CONFIGS["float32 Adam"], **qs.PALLAS_CONFIGS}
+  assert qs.APPLIED and qs.APPLIED < set(qs.PALLAS_CONFIGS)
+  table = qs.update_costs(
+    1, rounds=1, n_layers=1, width=64, by_part=False, configs=configs
+  )
+  for name in configs:
+    row = re.search(rf"^\| {re.escape(name)} \| (.*)$", table, re.M)
+    assert row, table
+    cells = row.group(1).split(" | ")
+    assert len(cells) == 9 and cells[1].endswith("MB"), row.group(0)
+
+
 @versions.examples
 def test_bf16_params_bytes_per_parameter_follow_from_the_dtypes():
   """Each configuration's bytes per parameter (what ``bf16_params.py``'s

@@ -130,3 +130,21 @@ def test_a_transformation_given_the_variables_runs_on_their_arrays(case, roundin
     assert _bytes(updates) == _bytes(pure_updates)
   assert jax.tree.structure(nnx.as_pure(state)) == jax.tree.structure(pure_state)
   assert _bytes(state) == _bytes(pure_state)
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_adam_8bits_apply_gradients_on_the_variables_gives_them_back(kernel):
+  # apply_gradients given a State of variables: new parameters in the
+  # parameters' variables, the arrays and state those of the arrays' step
+  model = MLP(jnp.float32)
+  tx = ols.adam_8bit(1e-3, min_size=256, kernel=kernel)
+  variables = nnx.state(model, nnx.Param)
+  params = nnx.as_pure(variables)
+  state, pure_state = tx.init(variables), tx.init(params)
+  grads = nnx.grad(_loss)(model)
+  new, state = tx.apply_gradients(grads, state, variables)
+  pure_new, pure_state = tx.apply_gradients(nnx.as_pure(grads), pure_state, params)
+  assert jax.tree.structure(new) == jax.tree.structure(variables)
+  assert _bytes(new) == _bytes(pure_new)
+  assert _bytes(state) == _bytes(pure_state)
+  assert all(a != b for a, b in zip(_bytes(new), _bytes(params), strict=True))

@@ -59,12 +59,42 @@ class Adam8bit(optax.GradientTransformationExtraArgs):
     kernel: as given.
   """
 
-  def __new__(cls, init, update, quantized, **options):
+  def __new__(cls, init, update, quantized, apply_gradients, **options):
     self = super().__new__(cls, init, update)
     self.quantized, self.options = quantized, options
+    self._apply_gradients = apply_gradients
     for name, value in options.items():
       setattr(self, name, value)
     return self
+
+  def apply_gradients(self, grads: Any, state: Any, params: Any) -> tuple[Any, Any]:
+    """One step applied: ``(new_params, new_state)``.
+
+    ``updates, new_state = self.update(grads, state, params)`` and
+    ``optax.apply_updates(params, updates)`` in one: the state bit for bit,
+    the parameters but for the updates' few units in the last place (XLA
+    fuses each program's divisions its own way). Each quantised leaf's
+    step writes its parameter where it writes its codes and scales: with
+    ``kernel="pallas"`` the kernel reads the gradient, the parameter, the
+    codes and the scales once and writes the parameter, the codes and the
+    scales in place, where ``update`` writes the update for
+    ``apply_updates`` to read back (BENCHMARKS.md, 8-bit state). The XLA
+    path moves the same bytes either way: XLA fuses ``apply_updates``
+    into its step.
+
+    Args:
+      grads: the gradients, as ``update`` takes them.
+      state: this transformation's state.
+      params: the parameters (arrays, or nnx variables: the new ones come
+        back in them).
+
+    Returns:
+      The new parameters, in ``params``' dtypes, and the new state.
+
+    Raises:
+      ValueError: ``params`` is ``None``, and what ``update`` raises.
+    """
+    return self._apply_gradients(grads, state, params)
 
   def __reduce__(self):  # copy/pickle: rebuilt from what made it
     return (functools.partial(adam_8bit, **self.options), ())
@@ -109,8 +139,10 @@ def adam_8bit(
   explicitly (JAX's explicit sharding) is computed as
   :func:`quantize_state` computes it, and a
   custom kernel is not partitioned by XLA's automatic sharding: use
-  ``kernel="pallas"`` on one device or inside ``shard_map``. Measured in
-  BENCHMARKS.md ("8-bit state").
+  ``kernel="pallas"`` on one device or inside ``shard_map``.
+  :meth:`Adam8bit.apply_gradients` takes the step and applies it, so that
+  the kernel writes the parameters in place. Measured in BENCHMARKS.md
+  ("8-bit state").
 
   Args:
     learning_rate: a float, or a schedule (a function of the step count).
@@ -193,13 +225,25 @@ def adam_8bit(
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
+    return run(updates, state, params, apply=False)
+
+  def apply_gradients(grads, state, params):
+    if params is None:
+      raise ValueError(
+        "adam_8bit: apply_gradients(grads, state, params) needs the parameters."
+      )
+    return run(grads, state, params, apply=True)
+
+  def run(updates, state, params, apply):
+    """The update (``apply``: the new parameters) and the new state."""
     quantized.check(state, params if params is not None else updates)
     if options["weight_decay"] and params is None:
       raise ValueError(
         "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."
       )
     # on arrays (nnx variables taken out), as quantize_state's update
-    given, updates, params = updates, *map(_tree.unwrap_variables, (updates, params))
+    given = params if apply else updates
+    updates, params = map(_tree.unwrap_variables, (updates, params))
     inner_state = _tree.unwrap_variables(state.inner_state)
     count = next_step(state.rounding_step) if stochastic else None
     adam = inner_state[0]
@@ -233,6 +277,8 @@ def adam_8bit(
     )
     for n, i in enumerate(rest):
       out_u[i], out_m[i], out_v[i] = u[n], m[n], v[n]
+      if apply:
+        out_u[i] = optax.apply_updates(ps[i], u[n])
       if isinstance(mus[i], QuantizedLeaf):
         out_m[i], out_v[i] = encode_many(
           [m[n], v[n]],
@@ -253,9 +299,11 @@ def adam_8bit(
       stochastic=stochastic,
       kernel=kernel,
       programs=_PROGRAMS,
+      apply=apply,
     )
-    # Adam reads no parameter (AdamW's decay does): the kernel is not given one.
-    reads = ps if options["weight_decay"] else [None] * len(ps)
+    # Adam reads no parameter (AdamW's decay and the applying do): the kernel
+    # is not given one.
+    reads = ps if options["weight_decay"] or apply else [None] * len(ps)
     for i in fused:
       out_u[i], out_m[i], out_v[i] = leaf_step(grads[i], reads[i], mus[i], nus[i])
     head, *tail = jax.tree.unflatten(scalar_def, new_scalars)
@@ -270,6 +318,7 @@ def adam_8bit(
     quantized.init,
     update_fn,
     quantized,
+    apply_gradients,
     **options,
     block_size=block_size,
     min_size=quantized.min_size,
@@ -302,6 +351,7 @@ def _tile_rows(rows: int, block_size: int, programs: int = _PROGRAMS) -> int:
     "stochastic",
     "kernel",
     "programs",
+    "apply",
   ),
 )
 def _fused_leaf(
@@ -319,11 +369,14 @@ def _fused_leaf(
   stochastic,
   kernel,
   programs,
+  apply,
 ):
   """One quantised leaf's update and new codes and scales, each block
   decoded, updated by ``step(scalar_def, ...)`` and encoded (stochastically:
   at step ``count``) in one pass, its unchanged blocks kept; a Pallas kernel
-  has at least ``programs`` programs where the leaf has the blocks."""
+  has at least ``programs`` programs where the leaf has the blocks. With
+  ``apply``, the new parameter ``p`` instead of the update (optax's
+  ``apply_updates`` on each block; the kernel writes it in place)."""
   step = functools.partial(step, scalar_def)
   shape, size = tuple(g.shape), math.prod(g.shape)
   blocks = [_codec.blocks(g, block_size)] + (
@@ -354,6 +407,8 @@ def _fused_leaf(
     m = _codec.decode_blocks(mc.astype(jnp.int32), ms, sqrt).astype(mq.dtype)
     v = _codec.decode_blocks(vc.astype(jnp.int32), vs, sqrt).astype(vq.dtype)
     u, m_new, v_new, _ = step(scalars, g, p, m, v)
+    if apply:
+      u = optax.apply_updates(p, u)
 
     def f32(x):
       x = jax.lax.stop_gradient(x).astype(_F32)
@@ -394,7 +449,7 @@ def _fused_leaf(
     rows = [x.reshape(-1, block_size) for x in (*arrays, mc)] + [ms.reshape(-1)]
     rows += [vc.reshape(-1, block_size), vs.reshape(-1)]
     u, mc, ms, vc, vs = _pallas(
-      body, scalars, rows, _tile_rows(rows[0].shape[0], block_size, programs)
+      body, scalars, rows, _tile_rows(rows[0].shape[0], block_size, programs), apply
     )
   leaf = lambda c, s, like, new: QuantizedLeaf(  # noqa: E731
     _codec.unblocked(c, shape, block_size),
@@ -410,13 +465,14 @@ def _fused_leaf(
   )
 
 
-def _pallas(body, scalars, rows, tile):
+def _pallas(body, scalars, rows, tile, apply):
   """``body`` as a Pallas kernel over tiles of ``tile`` blocks: its outputs.
 
   The codes and scales (the last four rows, the last four outputs) are
-  written in place: a program reads its tile before writing it, and tiles
-  do not overlap. Without that XLA writes them to new buffers and copies
-  each into the state's donated one (BENCHMARKS.md, 8-bit state).
+  written in place, and with ``apply`` the parameter (the second row, the
+  first output): a program reads its tile before writing it, and tiles do
+  not overlap. Without that XLA writes them to new buffers and copies each
+  into the state's donated one (BENCHMARKS.md, 8-bit state).
   """
   from jax.experimental import pallas as pl
 
@@ -455,7 +511,8 @@ def _pallas(body, scalars, rows, tile):
     + [spec(r) for r in rows],
     out_specs=[spec(o) for o in out_shape],
     input_output_aliases={
-      n_in + len(rows) - 4 + k: len(out_shape) - 4 + k for k in range(4)
+      **({n_in + 1: 0} if apply else {}),
+      **{n_in + len(rows) - 4 + k: len(out_shape) - 4 + k for k in range(4)},
     },
     interpret=jax.default_backend() != "gpu",
     **_triton(),
