@@ -309,10 +309,12 @@ def cuda_plugin_version():
   return "none"
 
 
-def main(argv=None):
-  args = parse_args(argv)
-  deviceless()
-  t_start = time.perf_counter()
+def compile_target(args, script):
+  """``(environment lines, sharding)`` of a report compiled for
+  ``args.target`` (``{name, bandwidth}`` from :func:`read_target`, with
+  ``args.target_path`` and ``args.target_text``; ``None``: this CPU, and a
+  ``None`` sharding). Call :func:`deviceless` first. Exits saying what is
+  missing where the CUDA plugin cannot compile for it."""
   rows, _ = environment()
   if args.target:
     rows = [
@@ -321,14 +323,21 @@ def main(argv=None):
     rows.insert(0, ("device kind", f"{args.target['name']} (compiled for, not run on)"))
     rows.insert(1, ("target config", os.path.relpath(args.target_path, HERE)))
     rows.insert(2, ("JAX CUDA plugin", cuda_plugin_version()))
-  env_lines = environment_lines(rows)
   try:
     sharding = target_sharding(args.target_text) if args.target else None
   except Exception as e:  # noqa: BLE001
     raise SystemExit(
-      f"float8_traffic.py: cannot compile for {args.target['name']}: "
+      f"{script}: cannot compile for {args.target['name']}: "
       f"{error_text(e)}. It needs JAX's CUDA plugin: pip install -e '.[cuda]'."
     ) from e
+  return environment_lines(rows), sharding
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  deviceless()
+  t_start = time.perf_counter()
+  env_lines, sharding = compile_target(args, "float8_traffic.py")
   out = os.path.abspath(args.out)
   os.makedirs(os.path.dirname(out), exist_ok=True)
   results = {}

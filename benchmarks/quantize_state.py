@@ -234,6 +234,24 @@ def parts_table(rows, n) -> str:
 KERNEL_STEPS = 5
 
 
+def setup(name, dtype, make, params32):
+  """``(step, params, state)`` of setup ``name`` (a ``COST_CONFIGS`` or
+  ``PALLAS_CONFIGS`` entry's ``dtype`` and ``make``) on ``params32``:
+  ``step((params, state), grads)`` is its update step, update and apply
+  (``tx.apply_gradients`` for :data:`APPLIED`)."""
+  params = jax.tree.map(lambda p: p.astype(dtype), params32)
+  tx = make(w.LR)
+
+  def step(carry, g):
+    p, s = carry
+    if name in APPLIED:
+      return tx.apply_gradients(g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  return step, params, tx.init(params)
+
+
 def update_costs(
   calls, rounds, n_layers=16, width=512, by_part=True, configs=COST_CONFIGS
 ):
@@ -245,18 +263,9 @@ def update_costs(
   grads = w.grads_like(params32)
   entries, bytes_, parts, errors = [], [], [], {}
   for name, (dtype, make) in configs.items():
-    params = jax.tree.map(lambda p, d=dtype: p.astype(d), params32)
-    tx = make(w.LR)
-    state = tx.init(params)
+    step, params, state = setup(name, dtype, make, params32)
     bytes_.append((tree_bytes(params) / n, tree_bytes(state) / n))
     parts.append((name, tree_bytes(params), _parts(state)))
-
-    def step(carry, g, tx=tx, applied=name in APPLIED):
-      p, s = carry
-      if applied:
-        return tx.apply_gradients(g, s, p)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
 
     if "Pallas" in name:  # a kernel the GPU may refuse: a row saying so
       try:
