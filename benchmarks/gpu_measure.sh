@@ -3,9 +3,11 @@
 # with a time limit of its own, so a slow one leaves the others' reports:
 #   costs        the 8-bit update step's costs on bench.py's 8.4M-parameter
 #                workload: bytes, host time, the device's kernel time, the
-#                Pallas kernel too (165 s on an H200);
+#                Pallas kernel too, with update and apply_gradients (165 s on
+#                an H200 before apply_gradients' row);
 #   profile      the float8 profile: bfloat16 against float8 tokens/s and the
-#                time split at d_model 4096, 1024 and 2048 (about 130 s a size);
+#                time split at d_model 4096, 1024 and 2048 (about 130 s a size:
+#                2048, the last, may not fit its limit);
 #   threshold    the profile at d_model 1024 and 2048 with
 #                Float8Matmul(min_size=4096), without the loss (about 60 s a size);
 #   sizes        float8 against bfloat16 for one layer of each shape, where
@@ -63,9 +65,9 @@ run() {  # run NAME SECONDS COMMAND...: its output also in $out/NAME.log
 }
 for step in "${steps[@]}"; do
   case "$step" in
-    costs) run costs 190 "$py" benchmarks/quantize_state.py --sections costs \
+    costs) run costs 220 "$py" benchmarks/quantize_state.py --sections costs \
       "${costs[@]}" --out "$out/quantize_state_costs.md" ;;
-    profile) run profile 400 "$py" benchmarks/float8_profile.py "${profile[@]}" \
+    profile) run profile 370 "$py" benchmarks/float8_profile.py "${profile[@]}" \
       --out "$out/float8_profile.md" ;;
     threshold) run threshold 180 "$py" benchmarks/float8_profile.py "${threshold[@]}" \
       --out "$out/float8_threshold.md" ;;
