@@ -422,3 +422,24 @@ def test_apply_gradients_writes_the_parameters_in_place_and_needs_them():
     tx = ols.adam_8bit(LR, kernel=kernel)
     with pytest.raises(ValueError, match="apply_gradients.*needs the parameters"):
       tx.apply_gradients(grads, tx.init(params), None)
+
+
+def test_the_xla_paths_apply_gradients_is_update_then_apply_updates_compiled():
+  # the same program: no copy of a parameter where the two calls have none
+  # (written in block shape and reshaped, the parameter was copied into
+  # its donated buffer)
+  import re
+
+  params = {"w": jnp.ones((1024, 1024)), "pad": jnp.ones(5000)}
+  tx = ols.adam_8bit(LR)
+  state = tx.init(params)
+
+  def update_then_apply(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  copies = []
+  for f in (update_then_apply, tx.apply_gradients):
+    hlo = jax.jit(f, donate_argnums=(1, 2)).lower(params, state, params).compile()
+    copies.append(re.findall(r"= f32\[(?:1024,1024|5000)\]\S* copy\(", hlo.as_text()))
+  assert copies[1] == copies[0] == []

@@ -160,6 +160,39 @@ def test_a_state_of_another_structure_is_refused_naming_the_leaf():
       tx.update(_grads(params), wrong, params)
 
 
+_EIGHT_BIT = {
+  "quantize_state": lambda: ols.quantize_state(optax.adam(1e-3), min_size=0),
+  "quantize_state, flat": lambda: ols.quantize_state(
+    optax.adam(1e-3), min_size=0, layout="flat"
+  ),
+  "adam_8bit": lambda: ols.adam_8bit(1e-3, min_size=0),
+  "adam_8bit, pallas": lambda: ols.adam_8bit(1e-3, min_size=0, kernel="pallas"),
+}
+_SHAPED = {
+  # 1010 entries in 1000's 4 blocks of 256: nothing in the layout differs
+  "longer, the same blocks": {"w": jnp.ones(1010), "m": jnp.ones((1000, 1))},
+  "the same size, another shape": {"w": jnp.ones(1000), "m": jnp.ones(1000)},
+}
+
+
+@pytest.mark.parametrize("shaped", _SHAPED)
+@pytest.mark.parametrize("name", _EIGHT_BIT)
+def test_a_gradient_of_another_shape_than_its_parameter_is_refused(name, shaped):
+  # with the parameters given, each gradient is checked against its
+  # parameter (update and apply_gradients); without them, the state's layout
+  tx = _EIGHT_BIT[name]()
+  params = {"w": jnp.ones(1000), "m": jnp.ones((1000, 1))}
+  state, grads = tx.init(params), _SHAPED[shaped]
+  calls = [tx.update] + ([tx.apply_gradients] if name.startswith("adam_8bit") else [])
+  for call in calls:
+    with pytest.raises(ValueError, match=r"Gradient at \['[wm]'\] has shape"):
+      call(grads, state, params)
+    with pytest.raises(ValueError, match=r"Gradient at \['[wm]'\] has shape"):
+      jax.jit(call)(grads, state, params)
+  with pytest.raises(ValueError, match=r"leaf at .*mu.*\['[wm]'\] is quantised"):
+    tx.update(grads, state)
+
+
 def test_master_weights_inside_it_is_refused():
   tx = ols.quantize_state(ols.master_weights(optax.adam(1e-3)))
   with pytest.raises(ValueError, match="inside it"):

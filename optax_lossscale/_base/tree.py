@@ -14,10 +14,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax import lax
 
 __all__ = [
   "array_leaves",
+  "check_grads",
   "explicit_spec",
   "find_all",
   "find_unique",
@@ -188,6 +190,45 @@ def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
         "an array (jnp.asarray), or leave it out of the tree (None)."
       )
   raise AssertionError("unreachable")
+
+
+def check_grads(grads: Any, params: Any) -> None:
+  """A ValueError unless ``grads`` has ``params``' tree structure and each
+  array leaf its parameter's shape (nothing to check where ``params`` is
+  ``None``; ``optax.LookaheadParams``: its fast weights, whose gradients
+  ``optax.lookahead`` takes). Every transformation that reads gradients
+  beside parameters checks them so, at trace time.
+  """
+  if isinstance(params, optax.LookaheadParams):  # its update takes the fast
+    params = params.fast  # weights' gradients
+  if params is None:
+    return
+  try:
+    jax.tree.map(lambda g, p: None, grads, params, is_leaf=lambda x: x is None)
+  except (ValueError, TypeError):
+    raise ValueError(
+      "The gradient tree does not match the parameter tree.\n"
+      f"  grads:  {jax.tree.structure(grads)}\n"
+      f"  params: {jax.tree.structure(params)}"
+    ) from None
+
+  def check(path, g, p):
+    if not is_array(g):
+      return
+    # a Python number is a leaf of shape (), as optax takes it
+    if p is None or not jax.tree_util.treedef_is_leaf(jax.tree.structure(p)):
+      raise ValueError(
+        f"Gradient at {keystr(path)} is one array where the "
+        f"parameters have a subtree ({jax.tree.structure(p)}): the gradient "
+        "tree must have the parameters' structure."
+      )
+    if g.shape != np.shape(p):
+      raise ValueError(
+        f"Gradient at {keystr(path)} has shape {g.shape} but "
+        f"the parameter has shape {np.shape(p)}."
+      )
+
+  jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
 
 
 def find_all(tree: Any, predicate: Callable[[Any], bool]) -> list[tuple[Any, Any]]:

@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from optax_lossscale._base import opt_state as _opt_state
@@ -43,39 +42,11 @@ def _validate_grads(grads: Any, params: Any) -> None:
   """The one validation of an update's gradients, with readable errors at trace time.
 
   Every leaf must be an array (:func:`_tree.array_leaves`), and with
-  ``params`` the tree must have the parameters' structure and shapes.
+  ``params`` the tree must have the parameters' structure and shapes
+  (:func:`_tree.check_grads`).
   """
   _tree.array_leaves(grads)
-  if isinstance(params, optax.LookaheadParams):  # its update takes the fast
-    params = params.fast  # weights' gradients
-  if params is None:
-    return
-  try:
-    jax.tree.map(lambda g, p: None, grads, params, is_leaf=lambda x: x is None)
-  except (ValueError, TypeError):
-    raise ValueError(
-      "The gradient tree does not match the parameter tree.\n"
-      f"  grads:  {jax.tree.structure(grads)}\n"
-      f"  params: {jax.tree.structure(params)}"
-    ) from None
-
-  def check(path, g, p):
-    if not _tree.is_array(g):
-      return
-    # a Python number is a leaf of shape (), as optax takes it
-    if p is None or not jax.tree_util.treedef_is_leaf(jax.tree.structure(p)):
-      raise ValueError(
-        f"Gradient at {_tree.keystr(path)} is one array where the "
-        f"parameters have a subtree ({jax.tree.structure(p)}): the gradient "
-        "tree must have the parameters' structure."
-      )
-    if g.shape != np.shape(p):
-      raise ValueError(
-        f"Gradient at {_tree.keystr(path)} has shape {g.shape} but "
-        f"the parameter has shape {np.shape(p)}."
-      )
-
-  jax.tree_util.tree_map_with_path(check, grads, params, is_leaf=lambda x: x is None)
+  _tree.check_grads(grads, params)
 
 
 _HALF_STATE_MESSAGE = (

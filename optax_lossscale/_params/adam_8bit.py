@@ -4,8 +4,10 @@
 ``optax.adam`` without weight decay) computed a leaf at a time: Adam
 updates each element from its own gradient, parameter and moments, so a
 block of a leaf can be decoded, updated and encoded in one step, reading
-the gradient, the parameter, the codes and the scales once and writing the
-update, the codes and the scales once. ``kernel="xla"`` writes that step
+the gradient, the codes and the scales once (and the parameter, where
+AdamW's decay needs it) and writing the update, the codes and the scales
+once; :meth:`Adam8bit.apply_gradients` writes the new parameter instead of
+the update. ``kernel="xla"`` writes that step
 with XLA's operations on the whole leaf; ``kernel="pallas"`` runs the same
 step as one Pallas kernel a tile of blocks (on a GPU; elsewhere Pallas'
 interpreter runs it, for tests). Both give :func:`quantize_state`'s bits:
@@ -79,8 +81,8 @@ class Adam8bit(optax.GradientTransformationExtraArgs):
     codes and the scales once and writes the parameter, the codes and the
     scales in place, where ``update`` writes the update for
     ``apply_updates`` to read back (BENCHMARKS.md, 8-bit state). The XLA
-    path moves the same bytes either way: XLA fuses ``apply_updates``
-    into its step.
+    path is ``update`` and ``optax.apply_updates`` as they are (XLA fuses
+    the addition into its step).
 
     Args:
       grads: the gradients, as ``update`` takes them.
@@ -125,12 +127,13 @@ def adam_8bit(
   state of the other (:func:`dequantize_state`, checkpoints and the loss
   scale read it alike). Run op by op, outside ``jax.jit``, bfloat16
   moments may round differently: the block step is always one compiled
-  program, whose bfloat16 arithmetic XLA may carry in float32. What differs is how a
-  quantised leaf is computed: its gradient, parameter, codes and scales
-  are read once, and each block is decoded, updated by optax's Adam and
-  encoded in one step (Adam is elementwise: a block's update needs nothing
-  from another block), where :func:`quantize_state`, which wraps any
-  transformation, decodes the whole state, runs it and encodes the result.
+  program, whose bfloat16 arithmetic XLA may carry in float32. What
+  differs is how a quantised leaf is computed: its gradient, codes and
+  scales (and with weight decay its parameter) are read once, and each
+  block is decoded, updated by optax's Adam and encoded in one step (Adam
+  is elementwise: a block's update needs nothing from another block),
+  where :func:`quantize_state`, which wraps any transformation, decodes
+  the whole state, runs it and encodes the result.
 
   ``kernel="pallas"`` runs that step as a Pallas kernel, one program a tile
   of whole blocks, on a GPU through Pallas' Triton lowering (float32
@@ -244,6 +247,7 @@ def adam_8bit(
     # on arrays (nnx variables taken out), as quantize_state's update
     given = params if apply else updates
     updates, params = map(_tree.unwrap_variables, (updates, params))
+    _tree.check_grads(updates, params)
     inner_state = _tree.unwrap_variables(state.inner_state)
     count = next_step(state.rounding_step) if stochastic else None
     adam = inner_state[0]
@@ -263,6 +267,8 @@ def adam_8bit(
     # Every other leaf: decoded, updated by optax together, encoded again
     # (a quantised one sharded explicitly: as quantize_state computes it).
     rest = sorted(set(range(len(grads))) - set(fused))
+    # The Pallas kernel writes the new parameters itself (in place).
+    in_kernel = apply and kernel == "pallas"
     decode = lambda x: (
       x.dequantize().astype(x.dtype) if isinstance(x, QuantizedLeaf) else x
     )  # noqa: E731
@@ -299,13 +305,15 @@ def adam_8bit(
       stochastic=stochastic,
       kernel=kernel,
       programs=_PROGRAMS,
-      apply=apply,
+      apply=in_kernel,
     )
-    # Adam reads no parameter (AdamW's decay and the applying do): the kernel
-    # is not given one.
-    reads = ps if options["weight_decay"] or apply else [None] * len(ps)
+    # Adam reads no parameter (AdamW's decay and the kernel's applying do):
+    # the step is not given one.
+    reads = ps if options["weight_decay"] or in_kernel else [None] * len(ps)
     for i in fused:
       out_u[i], out_m[i], out_v[i] = leaf_step(grads[i], reads[i], mus[i], nus[i])
+      if apply and not in_kernel:  # XLA fuses the addition into the step
+        out_u[i] = optax.apply_updates(ps[i], out_u[i])
     head, *tail = jax.tree.unflatten(scalar_def, new_scalars)
     head = head._replace(
       mu=jax.tree.unflatten(treedef, out_m), nu=jax.tree.unflatten(treedef, out_v)

@@ -529,6 +529,7 @@ def quantize_state(
     # The inner update runs on arrays (nnx variables taken out), its state
     # given back in the stored one's variables.
     given, updates, params = updates, *map(_tree.unwrap_variables, (updates, params))
+    _tree.check_grads(updates, params)
     like = params if params is not None else updates
     stored = _tree.unwrap_variables(state.inner_state)
     if flat:
