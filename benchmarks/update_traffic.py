@@ -46,7 +46,10 @@ SMALL = {"layers": 1, "width": 64}
 
 def _setups_module():
   """quantize_state.py, imported once :func:`float8_traffic.deviceless` has
-  run: it asks for JAX's backend as it is imported."""
+  run: it asks for JAX's backend as it is imported (from this folder,
+  which an importer of this module may have taken off ``sys.path``)."""
+  if HERE not in sys.path:
+    sys.path.append(HERE)  # last: nothing an importer has is shadowed
   import quantize_state
 
   return quantize_state
