@@ -260,27 +260,43 @@ def report(args, argv, env_lines, target, sizes, results, t_start):
   return "\n".join(md) + "\n"
 
 
-def parse_args(argv=None):
-  parser = small_parser(__doc__.splitlines()[0], SMALL)
+def add_target(parser):
+  """``--small`` (tiny, compiled for this CPU) and ``--target``."""
   add = parser.add_argument
-  add("--out", default=os.path.join(HERE, "out", "float8_traffic.md"), help="report")
   add("--small", action="store_true", help="tiny sizes compiled for this CPU")
   add("--target", default=DEFAULT_TARGET, help="a GpuTargetConfigProto text file")
-  add("--sizes", default=SIZES, help="comma-separated d_model:layers:heads:seq:batch")
-  add("--vocab", type=int, default=32768, help="vocabulary size")
-  args = parser.parse_args(argv)
+
+
+def resolve_target(parser, args):
+  """``args.target_path``, ``args.target_text`` and ``args.target``
+  (:func:`read_target`'s; all ``None`` with ``--small``), or the parser's
+  error: ``--small`` with a ``--target``, a target it cannot read."""
   if args.small and args.target != DEFAULT_TARGET:
     parser.error("--small compiles for this CPU: it takes no --target")
-  if args.vocab < 1:
-    parser.error("--vocab must be at least 1")
-  small_defaults(parser, args, SMALL)
   try:
-    args.size_list = parse_sizes(args.sizes)
     args.target_path = None if args.small else os.path.abspath(args.target)
     args.target_text, args.target = (
       (None, None) if args.small else read_target(args.target_path)
     )
   except (ValueError, OSError) as e:
+    parser.error(str(e))
+
+
+def parse_args(argv=None):
+  parser = small_parser(__doc__.splitlines()[0], SMALL)
+  add = parser.add_argument
+  add("--out", default=os.path.join(HERE, "out", "float8_traffic.md"), help="report")
+  add_target(parser)
+  add("--sizes", default=SIZES, help="comma-separated d_model:layers:heads:seq:batch")
+  add("--vocab", type=int, default=32768, help="vocabulary size")
+  args = parser.parse_args(argv)
+  if args.vocab < 1:
+    parser.error("--vocab must be at least 1")
+  resolve_target(parser, args)
+  small_defaults(parser, args, SMALL)
+  try:
+    args.size_list = parse_sizes(args.sizes)
+  except ValueError as e:
     parser.error(str(e))
   return args
 

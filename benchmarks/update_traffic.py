@@ -159,23 +159,14 @@ def parse_args(argv=None):
   parser = small_parser(__doc__.splitlines()[0], SMALL)
   add = parser.add_argument
   add("--out", default=os.path.join(HERE, "out", "update_traffic.md"), help="report")
-  add("--small", action="store_true", help="tiny, compiled for this CPU")
-  add("--target", default=float8_traffic.DEFAULT_TARGET, help="GpuTargetConfigProto")
+  float8_traffic.add_target(parser)
   add("--layers", type=int, default=16, help="the workload's layers")
   add("--width", type=int, default=512, help="the layers' width")
   args = parser.parse_args(argv)
-  if args.small and args.target != float8_traffic.DEFAULT_TARGET:
-    parser.error("--small compiles for this CPU: it takes no --target")
+  float8_traffic.resolve_target(parser, args)
   small_defaults(parser, args, SMALL)
   if args.layers < 1 or args.width < 1:
     parser.error("--layers and --width must be at least 1")
-  try:
-    args.target_path = None if args.small else os.path.abspath(args.target)
-    args.target_text, args.target = (
-      (None, None) if args.small else float8_traffic.read_target(args.target_path)
-    )
-  except (ValueError, OSError) as e:
-    parser.error(str(e))
   return args
 
 
