@@ -369,6 +369,7 @@ def _close_params(got, want, updates, bound=6):
     assert np.all(np.abs(a - b) <= bound * ulp + np.spacing(np.abs(b)))
 
 
+@pytest.mark.sampled
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.01])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])

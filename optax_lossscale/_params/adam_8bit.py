@@ -53,7 +53,8 @@ _PROGRAMS = 1024
 
 @_tree.rebuilt_as_itself
 class Adam8bit(optax.GradientTransformationExtraArgs):
-  """What :func:`adam_8bit` returns: an optax transformation.
+  """What :func:`adam_8bit` returns: an optax transformation, with
+  :meth:`apply_gradients` beside ``update`` (the step applied).
 
   Attributes:
     quantized: the :func:`quantize_state` transformation whose state and
