@@ -1,7 +1,8 @@
 """Tree utilities under every other module: which leaves are arrays, finding nodes.
 
 Nothing here knows about loss scaling: what counts as an array leaf, the
-check that a gradient tree holds only arrays, a search for the nodes of a
+check that a gradient tree holds only arrays and the one that it matches
+the parameters' structure and shapes, a search for the nodes of a
 nested state that satisfy a predicate, and the unwrapping of Flax ``nnx``
 variables (found by their ``get_value`` method; Flax is never imported).
 """
