@@ -444,3 +444,36 @@ def test_the_xla_paths_apply_gradients_is_update_then_apply_updates_compiled():
     hlo = jax.jit(f, donate_argnums=(1, 2)).lower(params, state, params).compile()
     copies.append(re.findall(r"= f32\[(?:1024,1024|5000)\]\S* copy\(", hlo.as_text()))
   assert copies[1] == copies[0] == []
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_apply_gradients_on_python_scalar_float64_zero_size_and_nonfinite_leaves(
+  kernel,
+):
+  # as update then optax.apply_updates: a Python number and a NumPy float64
+  # parameter come back float32 arrays, a zero-size one as it is, a NaN and
+  # an infinity in a gradient reach their parameters
+  params = {
+    "s": 2.0,
+    "f": np.linspace(-1.0, 1.0, 300),
+    "e": jnp.zeros((0, 3)),
+    "w": jnp.ones((4, 300)),
+  }
+  grads = {
+    "s": 0.5,
+    "f": np.full(300, 0.5),
+    "e": jnp.zeros((0, 3)),
+    "w": jnp.full((4, 300), 0.5).at[1, 7].set(jnp.nan).at[3, 0].set(jnp.inf),
+  }
+  tx = ols.adam_8bit(LR, min_size=0, kernel=kernel)
+  state = tx.init(params)
+  new, new_state = tx.apply_gradients(grads, state, params)
+  updates, same_state = tx.update(grads, state, params)
+  want = optax.apply_updates(params, updates)
+  assert _bits(new_state) == _bits(same_state)
+  assert jax.tree.structure(new) == jax.tree.structure(want)
+  for k in params:
+    a, b = np.asarray(new[k]), np.asarray(want[k])
+    assert a.shape == b.shape and a.dtype == b.dtype == np.float32, k
+    np.testing.assert_array_equal(a, b)
+  assert np.isnan(new["w"][1, 7]) and not np.isfinite(new["w"][3, 0])
