@@ -364,6 +364,42 @@ def test_every_leaf_kind_is_unscaled_exactly_or_refused_by_name(entry, kind):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _complex(real, imag, dtype):
+  """A complex array of these parts (``real + 1j * imag`` would make NaN of
+  ``0 * inf``)."""
+  out = np.empty(len(real), dtype)
+  out.real, out.imag = real, imag
+  return out
+
+
+#: Complex gradients' (real parts, imaginary parts), unscaled.
+COMPLEX_CASES = {
+  "finite": ([2.0, -3.0], [0.0, 0.0625]),
+  "inf in one part": ([np.inf, 2.0], [0.0, -np.inf]),
+  "NaN in one part": ([np.nan, 2.0], [1.0, np.nan]),
+  "NaN and inf": ([np.nan, -np.inf], [np.inf, 0.0]),
+}
+#: Entry points that skip a non-finite step (their updates are then zero).
+SKIPPING = {"dynamic_loss_scale(identity)", "static_loss_scale(identity)"}
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.parametrize("case", COMPLEX_CASES)
+@pytest.mark.parametrize("entry", UNSCALERS)
+def test_a_complex_gradient_is_unscaled_part_by_part(entry, case, dtype):
+  """Each part divided by the scale: a complex product with ``1/8 + 0j``
+  would turn an infinite part's partner into NaN (``inf * 0``)."""
+  real, imag = (np.asarray(p) for p in COMPLEX_CASES[case])
+  with versions.x64():
+    got = UNSCALERS[entry](jnp.asarray(_complex(real * SCALE_8, imag * SCALE_8, dtype)))
+  want = _complex(real, imag, dtype)  # exact: powers of two
+  if entry in SKIPPING and case != "finite":
+    want = np.zeros_like(want)  # skipped
+  assert got.dtype == dtype, (entry, case)
+  np.testing.assert_array_equal(np.real(got), want.real)
+  np.testing.assert_array_equal(np.imag(got), want.imag)
+
+
 #: Public entry points that check a tree, each ``leaf -> bool``.
 CHECKERS = {
   "all_finite": lambda leaf: bool(ols.all_finite({"leaf": leaf})),

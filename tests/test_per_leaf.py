@@ -404,6 +404,41 @@ PLANS = {
 }
 
 
+# A half-precision state before master_weights (optax.trace in a chain
+# before it) holds a leaf's gradients: that leaf is handed over in its own
+# dtype, and the plan says so; a float32 state after it changes nothing.
+HALF_FIRST = "own dtype (half-precision state first)"
+PLANS.update(
+  {
+    "trace before master_weights": (
+      lambda: optax.chain(optax.trace(0.9), ols.master_weights(optax.adam(1e-3))),
+      BF16,
+      {"a": HALF_FIRST, "b": HALF_FIRST},
+    ),
+    "trace before master_weights, float16": (
+      lambda: optax.chain(
+        optax.trace(0.9), ols.master_weights(optax.adam(1e-3), store="float32")
+      ),
+      F16,
+      {"a": HALF_FIRST, "b": HALF_FIRST},
+    ),
+    "trace of one leaf before master_weights": (
+      lambda: optax.chain(
+        optax.masked(optax.trace(0.9), {"a": True, "b": False}),
+        ols.master_weights(optax.adam(1e-3)),
+      ),
+      BF16,
+      {"a": HALF_FIRST, "b": "float32"},
+    ),
+    "float32 ema_params after master_weights": (
+      lambda: optax.chain(ols.master_weights(optax.adam(1e-3)), ols.ema_params(0.9)),
+      BF16,
+      {"a": "float32", "b": "float32"},
+    ),
+  }
+)
+
+
 @pytest.mark.parametrize("case", PLANS)
 def test_the_printed_plan_is_what_update_does(case):
   make, dtype, expected = PLANS[case]
@@ -418,13 +453,24 @@ def test_the_printed_plan_is_what_update_does(case):
 
   params = {"a": jnp.ones(4, dtype), "b": jnp.ones(3, dtype)}
   tx = ols.dynamic_loss_scale(spy(make()), initial_scale=4.0)
-  state = tx.init(params)
+  half_first = HALF_FIRST in expected.values()
+  with (
+    pytest.warns(ols.HalfPrecisionStateWarning, match="in float16 too")
+    if half_first and dtype == F16  # the momentum in float16
+    else contextlib.nullcontext()
+  ):
+    state = tx.init(params)
   plan = ols.loss_scale_plan(state, params)
   assert {leaf.path: leaf.handed_over for leaf in plan.leaves} == {
     f"['{k}']": v for k, v in expected.items()
   }
   assert all(leaf.dtype == jnp.dtype(dtype).name for leaf in plan.leaves)
-  tx.update(params, state, params)
+  with (
+    pytest.warns(ols.HalfPrecisionStateWarning, match="around the whole")
+    if half_first
+    else contextlib.nullcontext()
+  ):
+    tx.update(params, state, params)
   # the inner optimizer received float32 exactly where the plan says so
   assert seen == [{k: F32 if v == "float32" else dtype for k, v in expected.items()}]
   quantised = {leaf.path: leaf.quantized_state for leaf in plan.leaves}

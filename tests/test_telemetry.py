@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import versions
 from xla_costs import reductions
 
 import optax_lossscale as ols
@@ -551,3 +552,190 @@ def test_float64_leaves_are_classified_with_x64_on():
     [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
   )
   assert out.stdout.strip() == "[1, 2, 0]"
+
+
+# --------------------------------------------------------------------------
+# What the record reads: complex leaves, lookahead, frozen subtrees, a scale
+# out of range, abstract states.
+# --------------------------------------------------------------------------
+
+#: A complex gradient's (real parts, imaginary parts).
+COMPLEX_GRADIENTS = {
+  "finite": ([1.0, -2.0], [0.0, 0.5]),
+  "inf in the real part": ([INF, 1.0], [0.0, 0.0]),
+  "inf in the imaginary part": ([1.0, 1.0], [-INF, 0.0]),
+  "NaN in one part": ([NAN, 1.0], [0.0, 0.0]),
+  "NaN and inf in one entry": ([NAN, 1.0], [INF, 0.0]),
+  "NaN and inf in two entries": ([NAN, 1.0], [0.0, INF]),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.parametrize("case", COMPLEX_GRADIENTS)
+def test_a_complex_gradient_is_recorded_and_counted_as_numpy_sees_it(case, dtype, jit):
+  """The record and the checkpoint guard say what NumPy's ``isnan`` and
+  ``isinf`` say of the gradient as ``update`` received it (the record reads
+  it unscaled: a complex product with the scale's reciprocal once made NaN
+  of an infinite part's ``0`` partner)."""
+  real, imag = (np.asarray(p) for p in COMPLEX_GRADIENTS[case])
+  g = np.empty(2, dtype)
+  g.real, g.imag = real * 8, imag * 8
+  nans, infs = np.count_nonzero(np.isnan(g)), np.count_nonzero(np.isinf(g))
+  with versions.x64():
+    params = {"w": jnp.zeros(2, dtype)}
+    tx = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0, track_nonfinite=True)
+    update = jax.jit(tx.update) if jit else tx.update
+    _, state = update({"w": jnp.asarray(g)}, tx.init(params), params)
+    report = ols.nonfinite_report(state)
+    if not (nans or infs):
+      assert report.nonfinite_steps == 0 and not report.leaves
+      assert ols.check_checkpoint({"w": jnp.asarray(g)}) is not None
+      return
+    kinds = [name for name, n in (("NaN", nans), ("inf", infs)) if n]
+    assert report.leaves[0].last == " and ".join(kinds), case
+    counts = " and ".join(
+      f"{n} {name}" for name, n in (("NaN", nans), ("inf", infs)) if n
+    )
+    with pytest.raises(ValueError, match=rf"\['w'\]: {counts} \(of 2 entries\)"):
+      ols.check_checkpoint({"w": jnp.asarray(g)})
+
+
+def _lookahead_params():
+  return optax.LookaheadParams.init_synced({"v": jnp.ones(2), "w": jnp.ones(3)})
+
+
+@standard_promotion
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_lookahead_is_recorded_by_its_fast_weights(jit):
+  """``optax.lookahead`` takes the fast weights' gradients: the record is
+  made for them, and names them, with or without ``params=``."""
+  params = _lookahead_params()
+  tx = ols.dynamic_loss_scale(
+    optax.lookahead(optax.sgd(0.1), 2, 0.5), track_nonfinite=True
+  )
+  state = tx.init(params)
+  assert state.nonfinite.paths == ("v", "w")
+  update = jax.jit(tx.update) if jit else tx.update
+  grads = {"v": jnp.ones(2), "w": jnp.array([1.0, NAN, 1.0])}
+  _, state = update(grads, state, params)
+  _, state = update(jax.tree.map(jnp.ones_like, grads), state, params)
+  report = ols.nonfinite_report(state)
+  assert (report.steps, report.nonfinite_steps) == (2, 1)
+  assert [(leaf.path, leaf.last) for leaf in report.leaves] == [("w", "NaN")]
+  assert ols.nonfinite_report(state, params) == report
+  assert ols.nonfinite_report(state, params.fast) == report
+
+
+#: Gradients with None for whole subtrees of the parameters (frozen parts).
+FROZEN = {
+  "first subtree": (
+    {"a": None, "b": jnp.array([NAN, 1.0]), "c": {"z": jnp.ones(2)}},
+    "b",
+  ),
+  "middle leaf and last subtree": (
+    {"a": {"x": jnp.array([INF, 1.0]), "y": jnp.ones(2)}, "b": None, "c": None},
+    "a/x",
+  ),
+  "all but one": ({"a": None, "b": None, "c": {"z": jnp.array([1.0, NAN])}}, "c/z"),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", FROZEN)
+def test_a_frozen_subtree_keeps_its_entries_uncounted(case, jit):
+  params = {
+    "a": {"x": jnp.ones(2), "y": jnp.ones(2)},
+    "b": jnp.ones(2),
+    "c": {"z": jnp.ones(2)},
+  }
+  grads, bad = FROZEN[case]
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  updates, state = update(grads, state, params)
+  report = ols.nonfinite_report(state)
+  assert (report.steps, report.nonfinite_steps) == (1, 1)
+  assert [leaf.path for leaf in report.leaves] == [bad]
+  record = state.nonfinite
+  assert record.paths == ("a/x", "a/y", "b", "c/z")
+  assert int(np.sum(record.leaf_steps)) == 1
+  # Without the parameters, gradients of another number of leaves (None
+  # counting one) cannot be placed: a clear error.
+  if len(jax.tree.leaves(grads, is_leaf=lambda x: x is None)) != 4:
+    with pytest.raises(ValueError, match="non-finite record was made for 4"):
+      tx.update(grads, tx.init(params))
+  else:
+    _, alone = tx.update(grads, tx.init(params))
+    assert ols.nonfinite_report(alone) == report
+
+
+#: Loss scales whose state can hold a scale below their range (restored).
+RESTORED = {
+  "dynamic_loss_scale": lambda: ols.dynamic_loss_scale(
+    optax.sgd(0.1), track_nonfinite=True
+  ),
+  "static_loss_scale": lambda: ols.static_loss_scale(
+    optax.sgd(0.1), 4.0, track_nonfinite=True
+  ),
+  "LossScaleOptimizer": lambda: ols.porting.LossScaleOptimizer(
+    optax.sgd(0.1), track_nonfinite=True
+  ),
+}
+
+
+@standard_promotion
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("grad", [1.0, 1e37], ids=["finite unscaled", "overflows"])
+@pytest.mark.parametrize("make", RESTORED)
+def test_a_step_skipped_for_a_scale_out_of_range_is_not_a_nonfinite_one(
+  make, grad, jit
+):
+  """A state restored with a scale below 1 under a configuration whose scales
+  are not: the step is skipped (unscaling could overflow unseen), but only
+  gradients that are not finite once unscaled count as non-finite."""
+  params = {"w": jnp.ones(2)}
+  tx = RESTORED[make]()
+  state = tx.init(params)
+  state = state._replace(loss_scale=jnp.float32(2.0**-8))
+  update = jax.jit(tx.update) if jit else tx.update
+  updates, state = update({"w": jnp.full(2, grad, jnp.float32)}, state, params)
+  np.testing.assert_array_equal(updates["w"], 0.0)  # skipped either way
+  report = ols.nonfinite_report(state)
+  assert report.steps == 1
+  if grad == 1.0:
+    assert report.nonfinite_steps == 0 and not report.leaves
+  else:  # 1e37 * 2**8 is inf in float32
+    assert report.nonfinite_steps == 1
+    assert [(leaf.path, leaf.last) for leaf in report.leaves] == [("w", "inf")]
+
+
+#: Host-side readers of a state, each ``state -> None``.
+HOST_READERS = {
+  "nonfinite_report": ols.nonfinite_report,
+  "check_skipped_steps": ols.check_skipped_steps,
+  "check_checkpoint": ols.check_checkpoint,
+  "check_skipped_steps of diagnostics": lambda s: ols.check_skipped_steps(
+    ols.diagnostics(s)
+  ),
+}
+
+
+@pytest.mark.parametrize("reader", HOST_READERS)
+def test_an_abstract_state_is_refused_by_every_host_side_reader(reader):
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), track_nonfinite=True)
+  abstract = jax.eval_shape(tx.init, _params())
+  with pytest.raises(ValueError, match="abstract ones.*ShapeDtypeStruct"):
+    HOST_READERS[reader](abstract)
+  with pytest.raises(ValueError, match="outside jax.jit"):
+    jax.jit(lambda s: HOST_READERS[reader](s) or 0)(tx.init(_params()))
+
+
+@pytest.mark.parametrize(
+  "min_scale", [None, "1", np.nan, np.inf, -1.0, True, jnp.ones(2)]
+)
+def test_check_skipped_steps_refuses_a_bad_min_scale(min_scale):
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1))
+  state = tx.init(_params())
+  with pytest.raises(ValueError, match="`min_scale`"):
+    ols.check_skipped_steps(state, min_scale=min_scale)

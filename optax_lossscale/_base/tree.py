@@ -21,15 +21,18 @@ from jax import lax
 __all__ = [
   "array_leaves",
   "check_grads",
+  "check_on_host",
   "explicit_spec",
   "find_all",
   "find_unique",
+  "graded",
   "held",
   "is_array",
   "is_float_array",
   "is_variable",
   "keystr",
   "owner_path",
+  "real_op",
   "rebuilt_as_itself",
   "short",
   "unwrap",
@@ -109,6 +112,18 @@ def differentiated_as_cast(fun: Callable[..., Any]) -> Callable[..., Any]:
     return out, (t.astype(out[0].dtype), *zeros)
 
   return converted
+
+
+def real_op(op: Callable[[Any, Any], Any], x: jax.Array, r: jax.Array) -> jax.Array:
+  """``op(x, r)`` for a real scalar ``r`` (a multiply or a divide), part by
+  part where ``x`` is complex: JAX would make ``r`` complex (``r + 0j``),
+  and ``inf * 0`` in the cross terms would turn an infinite part's partner
+  into NaN (``(inf + 0j) * 0.5`` is ``inf + nanj``). ``r`` is cast to the
+  dtype of ``x``'s parts."""
+  if jnp.iscomplexobj(x):
+    r = jnp.asarray(r).astype(jnp.finfo(x.dtype).dtype)
+    return lax.complex(op(jnp.real(x), r), op(jnp.imag(x), r))
+  return op(x, jnp.asarray(r).astype(x.dtype))
 
 
 def widen(x: Any) -> jax.Array:
@@ -193,6 +208,28 @@ def array_leaves(tree: Any, what: str = "gradient") -> list[Any]:
   raise AssertionError("unreachable")
 
 
+def check_on_host(leaves: Any, caller: str) -> None:
+  """A ValueError naming ``caller``, a host-side reader of values, where one
+  of ``leaves`` is traced (inside ``jax.jit``) or abstract (a
+  ``jax.ShapeDtypeStruct``, of ``jax.eval_shape``): it has no values."""
+  for x in leaves:
+    if isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)):
+      raise ValueError(
+        f"{caller} reads the values on the host: call it outside jax.jit, on "
+        "the arrays a step returned, not on traced or abstract ones "
+        f"(jax.eval_shape's); got a {type(x).__name__}."
+      )
+
+
+def graded(params: Any) -> Any:
+  """The part of ``params`` that gradients are shaped like: the fast weights
+  of an ``optax.LookaheadParams`` (``optax.lookahead``'s update takes their
+  gradients), else ``params`` itself."""
+  if isinstance(params, optax.LookaheadParams):
+    return params.fast
+  return params
+
+
 def check_grads(grads: Any, params: Any) -> None:
   """A ValueError unless ``grads`` has ``params``' tree structure and each
   array leaf its parameter's shape (nothing to check where ``params`` is
@@ -200,8 +237,7 @@ def check_grads(grads: Any, params: Any) -> None:
   ``optax.lookahead`` takes). Every transformation that reads gradients
   beside parameters checks them so, at trace time.
   """
-  if isinstance(params, optax.LookaheadParams):  # its update takes the fast
-    params = params.fast  # weights' gradients
+  params = graded(params)
   if params is None:
     return
   try:

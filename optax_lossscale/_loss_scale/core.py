@@ -168,12 +168,12 @@ def unscale_tree(
   def divide(x, by, which):
     # In float32 for half leaves, in the leaf's own precision otherwise: a
     # float64 leaf gets a float64 reciprocal, not a float32 one.
-    wide = _tree.wide_dtype(x.dtype)
-    inv = inverses.get((which, wide))
+    # A complex leaf is multiplied part by part (``_tree.real_op``).
+    real = jnp.finfo(_tree.wide_dtype(x.dtype)).dtype
+    inv = inverses.get((which, real))
     if inv is None:
-      inv = 1.0 / jnp.asarray(by, _F32).astype(jnp.finfo(wide).dtype)
-      inv = inverses[which, wide] = inv.astype(wide)
-    return _tree.widen(x) * inv
+      inv = inverses[which, real] = 1.0 / jnp.asarray(by, _F32).astype(real)
+    return _tree.real_op(jnp.multiply, _tree.widen(x), inv)
 
   def one(x, kept, wide):
     if kept or not _tree.is_float_array(x):

@@ -312,8 +312,10 @@ def count_nonfinite(x: Any) -> tuple[int, int]:
 
   The array is fetched (``np.asarray``) and its bits tested with NumPy as
   :func:`nonfinite_kinds` tests them in a step: no compilation, so naming
-  the bad leaves of a large tree costs what reading it costs. Complex
-  arrays are counted in both parts; arrays that are not floating count 0.
+  the bad leaves of a large tree costs what reading it costs. A complex
+  entry counts as NaN when either part is NaN and as infinite when either
+  part is infinite (NumPy's ``isnan`` and ``isinf``: ``nan + infj`` is
+  both); arrays that are not floating count 0.
 
   Example:
     >>> import jax.numpy as jnp
@@ -325,12 +327,30 @@ def count_nonfinite(x: Any) -> tuple[int, int]:
   if not jnp.issubdtype(dtype, jnp.inexact):  # before a PRNG key is fetched
     return 0, 0
   x = np.ravel(np.asarray(x))
-  if np.iscomplexobj(x):
-    x = np.concatenate([x.real, x.imag])
-  magnitude, mask = _magnitude(np.ascontiguousarray(_tested(x)))
-  return int(np.count_nonzero(magnitude > mask)), int(
-    np.count_nonzero(magnitude == mask)
+  nan, inf = _entry_kinds(
+    [np.ascontiguousarray(_tested(p)) for p in _parts(x)], np.logical_or
   )
+  return int(np.count_nonzero(nan)), int(np.count_nonzero(inf))
+
+
+def _parts(x: Any) -> tuple:
+  """``x``'s real and imaginary parts if it is complex, else ``(x,)``."""
+  if np.iscomplexobj(x):
+    return (x.real, x.imag) if isinstance(x, np.ndarray) else (jnp.real(x), jnp.imag(x))
+  return (x,)
+
+
+def _entry_kinds(parts: list, logical_or: Any) -> tuple[Any, Any]:
+  """``(NaN, infinite)`` masks of the entries whose parts are ``parts`` (of
+  a dtype :func:`_tested` returns): an entry is NaN where a part is, and
+  infinite where a part is (NumPy's ``isnan``, ``isinf``)."""
+  nan = inf = None
+  for part in parts:
+    magnitude, mask = _magnitude(part)
+    n, i = magnitude > mask, magnitude == mask
+    nan = n if nan is None else logical_or(nan, n)
+    inf = i if inf is None else logical_or(inf, i)
+  return nan, inf
 
 
 def count_nonfinite_device(x: jax.Array) -> jax.Array:
@@ -345,18 +365,13 @@ def count_nonfinite_device(x: jax.Array) -> jax.Array:
     return jnp.zeros((2, 1), jnp.int32)
   x = held(x)
   axes = tuple(range(1, x.ndim)) if x.ndim > 1 else None
-  counts = []
-  for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
-    magnitude, mask = _magnitude(_tested(part))
-    counts.append(
-      jnp.stack(
-        [
-          jnp.atleast_1d(jnp.sum(magnitude > mask, axis=axes, dtype=jnp.int32)),
-          jnp.atleast_1d(jnp.sum(magnitude == mask, axis=axes, dtype=jnp.int32)),
-        ]
-      )
-    )
-  return functools.reduce(jnp.add, counts)
+  nan, inf = _entry_kinds([_tested(p) for p in _parts(x)], jnp.logical_or)
+  return jnp.stack(
+    [
+      jnp.atleast_1d(jnp.sum(nan, axis=axes, dtype=jnp.int32)),
+      jnp.atleast_1d(jnp.sum(inf, axis=axes, dtype=jnp.int32)),
+    ]
+  )
 
 
 def nonfinite_kinds(leaves: list[Any]) -> jax.Array:

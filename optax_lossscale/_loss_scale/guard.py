@@ -33,11 +33,7 @@ def _floating_leaves(tree: Any, caller: str = "check_checkpoint") -> list:
   out = []
   for path, x in _roles.state_leaves(tree):
     tested = _roles.tested_array(x)
-    if isinstance(tested, jax.core.Tracer) or isinstance(x, jax.core.Tracer):
-      raise ValueError(
-        f"{caller} reads the values on the host: call it outside jax.jit, "
-        "not inside a traced function."
-      )
+    _tree.check_on_host([x, tested], caller)
     if tested is not None:
       out.append((_tree.keystr(path), x, tested))
   return out

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import state_roles as _roles
 from optax_lossscale._base import tree as _tree
+from optax_lossscale._loss_scale import half_state as _half_state
 from optax_lossscale._loss_scale import overwrite as _overwrite
 from optax_lossscale._loss_scale import search as _search
 
@@ -35,6 +36,9 @@ __all__ = [
 
 #: How a gradient leaf reaches the inner optimizer.
 FLOAT32, OWN_DTYPE, OVERWRITTEN = "float32", "own dtype", "overwritten"
+#: A leaf with a float32 master that a half-precision state outside
+#: ``master_weights`` also holds: handed over in its own dtype.
+HALF_STATE_FIRST = "own dtype (half-precision state first)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +49,13 @@ class LeafPlan:
     path: the leaf's key path, as ``jax.tree_util.keystr`` writes it.
     dtype: the gradient's dtype, as ``update`` receives it.
     handed_over: ``"float32"`` (unscaled in float32: a float32 master of the
-      parameter is kept), ``"own dtype"`` (unscaled in its dtype), or
-      ``"overwritten"`` (a Flax float8 scale or amax history: the new value,
-      never unscaled and never seen by the inner optimizer).
+      parameter is kept), ``"own dtype"`` (unscaled in its dtype),
+      ``"own dtype (half-precision state first)"`` (a float32 master is kept,
+      but a transformation before ``master_weights`` holds this leaf's
+      gradients in half precision, ``optax.trace`` in a chain before it, say:
+      unscaled in its dtype, so that state keeps its dtype; ``update`` warns)
+      or ``"overwritten"`` (a Flax float8 scale or amax history: the new
+      value, never unscaled and never seen by the inner optimizer).
     quantized_state: the optimizer-state leaves of this parameter stored
       block-quantised, each as ``"<path> (<dtype>, blocks of <n>)"``, the
       path in the loss scale's ``inner_state``.
@@ -95,15 +103,18 @@ def plan_of(inner_state: Any, grads: Any) -> LossScalePlan:
   overwrite = _overwrite.state_mask(inner_state, grads)
   regular = inner_state if overwrite is None else inner_state.inner_state
   float32 = float32_gradient_leaves(regular, grads)
+  held_back = _kept_masters(regular, grads)[1]
   flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
   marks_32 = _marks(float32, treedef)
   marks_ow = _marks(overwrite, treedef)
   quantized = _quantized_by_owner(regular, [p for p, _ in flat])
   leaves = []
   for (path, g), f32, ow in zip(flat, marks_32, marks_ow, strict=True):
-    how = OVERWRITTEN if ow else FLOAT32 if f32 else OWN_DTYPE
-    dtype = str(g.dtype) if hasattr(g, "dtype") else type(g).__name__
     key = _tree.keystr(path)
+    how = OVERWRITTEN if ow else FLOAT32 if f32 else OWN_DTYPE
+    if how == OWN_DTYPE and key in held_back:
+      how = HALF_STATE_FIRST
+    dtype = str(g.dtype) if hasattr(g, "dtype") else type(g).__name__
     leaves.append(LeafPlan(key, dtype, how, tuple(quantized.get(key, ()))))
   return LossScalePlan(tuple(leaves), float32, overwrite)
 
@@ -160,17 +171,43 @@ def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
   ``chain``, ``masked``, ``multi_transform``, ``MultiSteps`` and
   ``inject_hyperparams`` keep the parameters' key paths). A leaf of
   ``grads`` is marked when its key path is one of those and it is a
-  half-precision array: that leaf, and no other, reaches the inner
-  optimizer in float32. A fact of the state's structure, known when
-  tracing.
+  half-precision array, unless a half-precision state leaf of that
+  parameter lies outside every such state (a transformation before
+  ``master_weights`` holding its gradients in half precision: float32
+  gradients would change that state's dtype): that leaf, and no other,
+  reaches the inner optimizer in float32. A fact of the state's structure,
+  known when tracing.
 
   Returns:
     A tree of bools like ``grads``, or ``None`` when no leaf is marked.
   """
-  found = _tree.find_all(opt_state, _roles.keeps_masters)
-  if not found:
+  kept, held_back = _kept_masters(opt_state, grads)
+  if not kept:
     return None
-  kept = set()
+  flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+  marks = [
+    _tree.keystr(path) in kept and _is_half(g) and _tree.keystr(path) not in held_back
+    for path, g in flat
+  ]
+  return jax.tree.unflatten(treedef, marks) if any(marks) else None
+
+
+def _is_half(x: Any) -> bool:
+  """A float16/bfloat16 array (or a quantised state leaf of that dtype)."""
+  dtype = getattr(x, "dtype", None)
+  return (
+    dtype is not None
+    and jnp.issubdtype(dtype, jnp.floating)
+    and jnp.finfo(dtype).bits < 32
+  )
+
+
+def _kept_masters(opt_state: Any, grads: Any) -> tuple[set[str], set[str]]:
+  """``(the key paths a KeepsFloat32Masters state keeps a master of, those
+  of them whose parameter also owns a half-precision state leaf outside
+  every such state)``: the second are handed over in their own dtype."""
+  found = _tree.find_all(opt_state, _roles.keeps_masters)
+  kept: set[str] = set()
   for _, node in found:
     flat = jax.tree_util.tree_flatten_with_path(node.master, is_leaf=_tree.is_variable)[
       0
@@ -178,14 +215,22 @@ def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
     kept.update(
       _tree.keystr(path) for path, x in flat if _tree.is_array(_tree.unwrap(x))
     )
-  flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
-  marks = [
-    _tree.keystr(path) in kept
-    and _tree.is_float_array(g)
-    and jnp.finfo(g.dtype).bits < 32
-    for path, g in flat
-  ]
-  return jax.tree.unflatten(treedef, marks) if any(marks) else None
+  if not kept:
+    return kept, set()
+  owners = {
+    tuple(path): _tree.keystr(path)
+    for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]
+  }
+  inside = [tuple(path) for path, _ in found]
+  held_back = set()
+  for path, x in _roles.state_leaves(_half_state.without_half_by_design(opt_state)):
+    path = tuple(path)
+    if not _is_half(x) or any(path[: len(m)] == m for m in inside):
+      continue
+    owner = owners.get(_tree.owner_path(path, owners))
+    if owner in kept:
+      held_back.add(owner)
+  return kept, held_back
 
 
 def _marks(tree: Any, treedef: Any) -> list[bool]:

@@ -158,11 +158,7 @@ def find_record(opt_state: Any, required: bool = True) -> Any:
       )
     return None
   record = _tree.unwrap_variables(record)
-  if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(record)):
-    raise ValueError(
-      "The non-finite report is read on the host: call it outside jax.jit, "
-      "on the state the step returned."
-    )
+  _tree.check_on_host(jax.tree.leaves(record), "The non-finite report")
   record = jax.device_get(record)
   batch = np.shape(record.steps)
   if batch:  # one record per replica (pmap, vmap): they must agree
@@ -184,7 +180,7 @@ def find_record(opt_state: Any, required: bool = True) -> Any:
 def report_from_record(record: Any, params: Any) -> NonFiniteReport:
   paths = record.paths
   if params is not None:
-    paths = _telemetry.leaf_paths(params)
+    paths = _telemetry.leaf_paths(_tree.graded(params))
     if len(paths) != len(record.paths):
       raise ValueError(
         f"`params` has {len(paths)} leaves but the record was made for "

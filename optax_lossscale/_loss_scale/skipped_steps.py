@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from optax_lossscale._base import state_roles as _roles
+from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
 from optax_lossscale._loss_scale import finite as _finite
@@ -47,7 +48,8 @@ def check_skipped_steps(
     opt_state_or_diagnostics: anything :func:`get_scale` accepts, or the
       dict :func:`diagnostics` returned (fetched or not).
     max_consecutive_skips: the limit, >= 1.
-    min_scale: the floor the loss scale was built with (for the message).
+    min_scale: the floor the loss scale was built with (for the message), a
+      finite number >= 0.
     params: optional, the parameters: when they hold NaN or inf, an update
       that was applied (its gradients finite) made them so, and the message
       says that the optimizer's update was not finite (Adam's moments in
@@ -68,16 +70,13 @@ def check_skipped_steps(
   limit = _validate.as_int("max_consecutive_skips", max_consecutive_skips)
   if limit < 1:
     raise ValueError(f"`max_consecutive_skips` must be >= 1, got {limit}.")
+  min_scale = _validate.float_in("min_scale", min_scale, 0.0, float("inf"))
   d = opt_state_or_diagnostics
   given_state = not (isinstance(d, dict) and "consecutive_skips" in d)
   if given_state:
     d = _search.diagnostics(d)
   values = (d["consecutive_skips"], d["loss_scale"], d["skipped_steps"])
-  if any(isinstance(v, jax.core.Tracer) for v in values):
-    raise ValueError(
-      "check_skipped_steps is a host-side check: call it outside jax.jit, on "
-      "the state (or diagnostics) the step returned."
-    )
+  _tree.check_on_host(values, "check_skipped_steps")
   consecutive, scale, total = (_report.replicated(v) for v in jax.device_get(values))
   if consecutive < limit:
     return

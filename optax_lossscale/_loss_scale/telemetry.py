@@ -111,8 +111,10 @@ def _leaves(grads: Any) -> list[Any]:
 
 
 def initial_record(params: Any) -> NonFiniteRecord:
-  """A fresh record for gradients shaped like ``params`` (one entry per leaf)."""
-  paths = leaf_paths(params)
+  """A fresh record for gradients shaped like ``params`` (one entry per
+  leaf; of an ``optax.LookaheadParams``, the fast weights', as
+  ``optax.lookahead`` takes their gradients)."""
+  paths = leaf_paths(_tree.graded(params))
   n = len(paths)
   return NonFiniteRecord(
     steps=jnp.zeros([], _I32),
@@ -169,6 +171,26 @@ def _checked_loss(value: Any, axis_name: Any) -> jax.Array:
   return value
 
 
+def _spans(grads: Any, params: Any, entries: int) -> list[int] | None:
+  """How many of the record's ``entries`` each leaf of ``grads`` (``None``
+  included) stands for, where ``grads`` hold ``None`` for a whole subtree
+  of ``params`` (a frozen part of the model: each of its leaves keeps its
+  entry, never counted); ``None`` where that does not account for them."""
+  if params is None:
+    return None
+  try:
+    spans = jax.tree.map(
+      lambda g, p: len(leaf_paths(p)) if g is None else 1,
+      grads,
+      _tree.graded(params),
+      is_leaf=lambda x: x is None,
+    )
+  except (ValueError, TypeError):
+    return None
+  spans = jax.tree.leaves(spans)
+  return spans if sum(spans) == entries else None
+
+
 def note(
   record: NonFiniteRecord,
   finite: jax.Array,
@@ -177,6 +199,7 @@ def note(
   value: Any,
   loss_scale: jax.Array,
   axis_name: Any = None,
+  params: Any = None,
 ) -> NonFiniteRecord:
   """``record`` after one update whose gradients were finite or not.
 
@@ -184,7 +207,9 @@ def note(
   ``checked(grads)`` is classified (:func:`_finite.nonfinite_kinds`) and
   counted, and so is ``value``, the loss, unless it is ``None``. That work
   sits in the non-finite branch of a ``lax.cond``: a finite update only
-  counts itself.
+  counts itself. An update skipped with every leaf of ``checked(grads)``
+  finite (a state's scale below the configuration's range: see
+  ``_core.check``) is not a non-finite one, and only counts itself too.
 
   Args:
     record: the record so far.
@@ -197,13 +222,17 @@ def note(
     loss_scale: the scale the gradients were computed with.
     axis_name: the mapped axis the gradients are split over: what any device
       saw is recorded on all.
+    params: the parameters given to ``update``, or ``None``: where the
+      gradients hold ``None`` for a whole subtree of them, each of its leaves
+      keeps its entry (never counted).
 
   Raises:
     ValueError: the gradients have another number of leaves than the
       parameters the record was made for, or the loss is not floating.
   """
   n = len(_leaves(grads))
-  if n != len(record.paths):
+  spans = None if n == len(record.paths) else _spans(grads, params, len(record.paths))
+  if n != len(record.paths) and spans is None:
     raise ValueError(
       f"The gradients have {n} leaves but the non-finite record was made for "
       f"{len(record.paths)} (the parameters given to init): pass gradients "
@@ -217,11 +246,13 @@ def note(
     extra = [] if value is None else [value]
     kinds = _any_device(_finite.nonfinite_kinds(leaves + extra), axis_name)
     leaf, loss = kinds[: len(leaves)], kinds[len(leaves) :]
+    if spans is not None:  # a None subtree's leaves: never counted
+      leaf = jnp.repeat(leaf, np.asarray(spans), total_repeat_length=len(record.paths))
     if value is None:
       loss_bits = jnp.full([], LOSS_UNKNOWN, jnp.int8)
     else:
       loss_bits = loss[0].astype(jnp.int8)
-    return r.replace(
+    new = r.replace(
       nonfinite_steps=_increment(r.nonfinite_steps),
       loss_steps=_increment(r.loss_steps, loss_bits > 0),
       last_step=r.steps,
@@ -232,6 +263,11 @@ def note(
       leaf_inf_steps=_increment(r.leaf_inf_steps, (leaf & _finite.INF) != 0),
       last_leaves=leaf,
     )
+    # The flag is also false for finite gradients computed with a scale
+    # below this configuration's range (``_core.check``): that step is
+    # skipped, but its gradients were finite, and it is not counted.
+    seen = jnp.any(leaf != 0)
+    return jax.tree.map(lambda a, b: jnp.where(seen, a, b), new, r)
 
   record = lax.cond(finite, lambda r: r, nonfinite, record)
   return record.replace(steps=_increment(record.steps))

@@ -129,6 +129,10 @@ def loss_scale_transformation(
     # Flax's float8 overwrite leaves (new values, not gradients): never
     # unscaled and never seen by `inner`, but checked with the gradients.
     plan = _plan.plan_of(state.inner_state, updates)  # what loss_scale_plan prints
+    if any(leaf.handed_over == _plan.HALF_STATE_FIRST for leaf in plan.leaves):
+      warnings.warn(
+        _HALF_STATE_MESSAGE, _half_state.HalfPrecisionStateWarning, stacklevel=2
+      )
     mask = plan.overwrite
     body = inner if mask is None else overwriting
     if mask is None:
@@ -185,6 +189,7 @@ def loss_scale_transformation(
           extra_args.get("value"),
           scale,
           axis_name,
+          params,
         )
         new_state = new_state._replace(nonfinite=record)
       keep = float32 is not None  # the inner state must keep its dtypes
@@ -213,10 +218,11 @@ def loss_scale_transformation(
 
     # The leaves an inner state keeps float32 master weights of
     # (master_weights, at any depth) take their gradients unscaled in
-    # float32; every other leaf keeps its dtype. Unless the inner state
-    # would then change dtype (it holds those gradients in half precision
-    # before master_weights sees them): known from the one trace of the
-    # inner update, which is then traced again without float32 leaves.
+    # float32; every other leaf keeps its dtype, and so does one whose
+    # gradients a half-precision state before master_weights holds (the
+    # plan says which). Should the inner state change dtype all the same
+    # (a half-precision state leaf of no parameter, holding gradients),
+    # the inner update is traced again without float32 leaves.
     try:
       return step(plan.float32)
     except _skip.StateDtypesChanged:

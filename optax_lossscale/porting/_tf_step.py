@@ -79,8 +79,7 @@ def unwrap(grads: Any) -> tuple[Any, bool]:
 def _divide(g: jax.Array, by: Any) -> jax.Array:
   """Keras 3's ``ops.divide(g, scale)``: in at least float32, and kept so
   (a half gradient divided by the float32 scale is float32)."""
-  wide = _tree.wide_dtype(g.dtype)
-  return _tree.widen(g) / jnp.asarray(by, jnp.float32).astype(wide)
+  return _tree.real_op(jnp.divide, _tree.widen(g), jnp.asarray(by, jnp.float32))
 
 
 def _difference(new: Any, p: Any) -> Any:
