@@ -27,6 +27,7 @@ from optax_lossscale._autocast.policy import (
   default_half_dtype as default_half_dtype,
 )
 from optax_lossscale._autocast.policy import get_policy as get_policy
+from optax_lossscale._autocast.evaluate import CustomRuleWarning as CustomRuleWarning
 from optax_lossscale._autocast.transform import autocast as autocast
 from optax_lossscale._loss_scale.config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from optax_lossscale._loss_scale.config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
@@ -140,6 +141,7 @@ __all__ = (
   "Policy",
   "SkipFallbackWarning",
   "HalfPrecisionStateWarning",
+  "CustomRuleWarning",
   "Adam8bit",
   "StochasticRoundingState",
   "adam_8bit",

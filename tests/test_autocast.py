@@ -1,5 +1,8 @@
 """autocast and enable_mixed_precision: the rewritten jaxpr, values, gradients."""
 
+import contextlib
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -266,8 +269,72 @@ def _straight_through(x):
 def test_custom_derivative_rules_are_kept(name, f, x):
   expected = jax.grad(f)(x)
   fast = ols.autocast(f, compute_dtype=jnp.float16)
-  np.testing.assert_allclose(jax.grad(fast)(x), expected, err_msg=name)
-  np.testing.assert_allclose(jax.jit(jax.grad(fast))(x), expected, err_msg=name)
+  # pinv's body holds matmuls: rewritten there, its rule's kept as written
+  rewrites = "pinv" in name
+  with (
+    pytest.warns(ols.CustomRuleWarning, match="custom_jvp function '_pinv'")
+    if rewrites
+    else contextlib.nullcontext()
+  ):
+    np.testing.assert_allclose(jax.grad(fast)(x), expected, err_msg=name)
+  with warnings.catch_warnings():  # the same rewrite, cached: warned above
+    warnings.simplefilter("ignore", ols.CustomRuleWarning)
+    np.testing.assert_allclose(jax.jit(jax.grad(fast))(x), expected, err_msg=name)
+
+
+def _dense_vjp(x, w):
+  @jax.custom_vjp
+  def dense(x, w):
+    return x @ w
+
+  dense.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+  return jnp.sum(jnp.tanh(dense(x, w)))
+
+
+def _dense_jvp(x, w):
+  @jax.custom_jvp
+  def dense(x, w):
+    return x @ w
+
+  dense.defjvp(lambda p, t: (p[0] @ p[1], t[0] @ p[1] + p[0] @ t[1]))
+  return jnp.sum(jnp.tanh(dense(x, w)))
+
+
+def _elementwise_vjp(x, w):
+  return _straight_through(x @ w)
+
+
+@pytest.mark.parametrize("matmul", [None, "float8"])
+@pytest.mark.parametrize(
+  "name, f, rewrites",
+  [
+    ("custom_vjp", _dense_vjp, True),
+    ("custom_jvp", _dense_jvp, True),
+    ("no matmul inside", _elementwise_vjp, False),
+  ],
+)
+def test_a_custom_rule_whose_body_matmuls_are_rewritten_says_so(
+  name, f, rewrites, matmul
+):
+  """Differentiated, JAX runs the rule as written (float32 here): the value
+  under grad is the float32 function's, and a CustomRuleWarning says so
+  wherever the body's matmuls were rewritten; a listing never warns."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(16, 32)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=matmul)
+  warns = (
+    pytest.warns(ols.CustomRuleWarning, match=f"{name} function 'dense'")
+    if rewrites
+    else contextlib.nullcontext()
+  )
+  with warns:
+    value, _ = jax.value_and_grad(fast, argnums=1)(x, w)
+  if rewrites:  # the rule's forward, as written
+    np.testing.assert_allclose(value, f(x, w), rtol=1e-6)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    ols.list_matmuls(fast, x, w)
 
 
 @pytest.mark.parametrize(
@@ -327,6 +394,43 @@ def test_non_array_arguments_are_static_arrays_are_traced():
   n = len(seen)
   fast(jnp.full(3, 5.0), np.float32(0.75), train=False, mode="tanh")
   assert len(seen) == n
+
+
+@pytest.mark.parametrize(
+  "first, then",
+  [
+    (1, True),
+    (True, 1),
+    (1, 1.0),
+    (0, False),
+    (0.0, 0),
+  ],
+)
+def test_constants_that_compare_equal_but_differ_in_type_are_other_signatures(
+  first, then
+):
+  """As jax.jit keeps static arguments apart: 1, True and 1.0 hash alike."""
+
+  def f(x, c):
+    return jnp.sum(x @ x) * (10.0 if isinstance(c, bool) else float(c) + 1.0)
+
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16)
+  x = jnp.ones((4, 4))
+  for c in (first, then):
+    np.testing.assert_allclose(fast(x, c), f(x, c), rtol=1e-2, err_msg=repr(c))
+
+
+@pytest.mark.parametrize("matmul", [None, "float8"])
+def test_list_matmuls_takes_shape_dtype_structs_as_it_takes_arrays(matmul):
+  def f(x, w, train=True):
+    return jnp.tanh(x @ w) if train else x @ w
+
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=matmul)
+  x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
+  abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
+  assert ols.list_matmuls(fast, *abstract) == ols.list_matmuls(fast, x, w)
+  assert ols.list_matmuls(f, *abstract) == ols.list_matmuls(f, x, w)
+  assert len(ols.list_matmuls(fast, *abstract, train=False)) == 1
 
 
 def test_calls_outside_jit_are_rewritten_once_per_signature():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -205,7 +206,9 @@ def _custom_call(eqn, invals, walk: Walk, outs_float32: list[bool], flags):
   The call runs with its inputs in the dtypes the function gave them and
   its body replaced by the rewritten body (cast back to the original output
   dtypes at its end), so differentiation still goes through the user's own
-  rule, in the dtypes it was written for.
+  rule, in the dtypes it was written for. Differentiated, JAX runs that rule
+  and not the body: where the rewrite changed a matmul of the body, a
+  warning says so (the rule's matmuls run as written under ``jax.grad``).
   """
   key = next(k for k in ("call_jaxpr", "fun_jaxpr", "jaxpr") if k in eqn.params)
   sub, consts = _jaxpr.closed(eqn.params[key])
@@ -216,8 +219,53 @@ def _custom_call(eqn, invals, walk: Walk, outs_float32: list[bool], flags):
 
   avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in sub.invars]
   rewritten = jax.make_jaxpr(body)(*avals)
+  if walk.record is None and _matmul_dtypes(sub) != _matmul_dtypes(rewritten.jaxpr):
+    kind = "custom_vjp" if "vjp" in eqn.primitive.name else "custom_jvp"
+    name = _custom_name(eqn)
+    warnings.warn(
+      f"autocast rewrote the matmuls of the {kind} function {name}, but a "
+      "differentiated call (jax.grad, jax.value_and_grad, a training step) "
+      f"runs its own {'fwd and bwd rules' if kind == 'custom_vjp' else 'jvp rule'}"
+      ", which autocast does not rewrite: there its matmuls run in the dtypes "
+      "it wrote, and its value can differ from an undifferentiated call's. "
+      "To run them in the compute dtype, write the rules so (or autocast "
+      "them, casting their outputs back to the function's dtypes), then "
+      "ignore this warning: warnings.filterwarnings('ignore', "
+      "category=ols.CustomRuleWarning).",
+      CustomRuleWarning,
+      stacklevel=2,
+    )
   invals = _match(invals, [v.aval.dtype for v in eqn.invars])
   return _jaxpr.bind(eqn, invals, {key: rewritten})
+
+
+class CustomRuleWarning(UserWarning):
+  """:func:`~optax_lossscale.autocast` rewrote the matmuls of a
+  ``custom_vjp``/``custom_jvp`` function's body, whose derivative rules JAX
+  runs instead under differentiation, as written (not rewritten)."""
+
+
+def _custom_name(eqn) -> str:
+  """The name of the function a custom call wraps, as JAX recorded it."""
+  for key in ("call_jaxpr", "fun_jaxpr"):
+    info = getattr(getattr(eqn.params.get(key), "jaxpr", None), "debug_info", None)
+    name = getattr(info, "func_name", None) or getattr(info, "func_src_info", None)
+    if name:
+      return repr(str(name).split(" ")[0])
+  return "(unnamed)"
+
+
+def _matmul_dtypes(jaxpr) -> list:
+  """Each ``dot_general``'s operand dtypes, in ``jaxpr`` and the jaxprs it holds."""
+  out = []
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      out.append(tuple(jnp.dtype(v.aval.dtype) for v in e.invars))
+    for value in e.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, (Jaxpr, ClosedJaxpr)):
+          out += _matmul_dtypes(_jaxpr.closed(sub)[0])
+  return out
 
 
 def _allow(eqn, invals, walk: Walk, read_in_float32: bool, flags: list[bool]):

@@ -55,8 +55,9 @@ def _is_static(x: Any) -> bool:
   train=True)``, an Equinox dropout rate that a layer tests in Python), where
   ``jax.jit`` would need ``static_argnums`` for them. A new Python number is
   a new signature: pass a value that changes from call to call as an array.
+  A ``jax.ShapeDtypeStruct`` (what :func:`list_matmuls` takes) is traced.
   """
-  return not isinstance(x, (jax.Array, np.ndarray, np.generic))
+  return not isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
 
 
 def _merge(static: tuple, arrays: Any) -> list:
@@ -88,7 +89,9 @@ def autocast(
   rewrites ``fun``'s jaxpr, recursing into ``jit``, ``checkpoint``,
   ``scan``, ``while_loop`` and ``cond``; a ``custom_jvp``/``custom_vjp``
   function keeps its rule (its body is rewritten, its boundary keeps its
-  dtypes). It works under ``jax.jit``, ``jax.grad`` (float32 inputs get
+  dtypes; differentiated, JAX runs the rule as written, and a
+  :class:`~optax_lossscale.CustomRuleWarning` says so where the body's
+  matmuls were rewritten). It works under ``jax.jit``, ``jax.grad`` (float32 inputs get
   float32 gradients) and ``jax.vmap``. The user's own numerics are kept:
   only float32 work is cast. A conversion ``fun`` writes keeps its target
   dtype; a matmul whose operands ``fun`` put in a narrower dtype itself
@@ -196,7 +199,11 @@ def prepare(fun, args, kwargs):
   flat, treedef = jax.tree.flatten(tree)
   static = tuple((i, x) for i, x in enumerate(flat) if _is_static(x))
   arrays = [x for x in flat if not _is_static(x)]
-  return nodes, (static, treedef, graphdef, getattr(nodes, "owner", None)), arrays
+  # Each constant's type too, as jax.jit keeps static arguments apart: 1,
+  # True and 1.0 are equal, and hash alike, but are other signatures.
+  types = tuple(type(x) for _, x in static)
+  owner = getattr(nodes, "owner", None)
+  return nodes, (static, treedef, graphdef, owner, types), arrays
 
 
 def _call(fun, rules: Rules, cached, args, kwargs):
@@ -246,7 +253,7 @@ def rewritten(fun, rules: Rules, spec, *arrays, record: dict | None = None):
   after the call, their graph after it)``. ``record``: where a listing
   collects the matmuls' decisions (:func:`~optax_lossscale.list_matmuls`).
   """
-  static, treedef, graphdef, owner = spec
+  static, treedef, graphdef, owner, _ = spec
 
   def flat_fun(*leaves):
     tree = jax.tree.unflatten(treedef, _merge(static, leaves))
