@@ -14,6 +14,7 @@ with a ``DeprecationWarning`` naming the new spelling, for one release.
 import warnings as _warnings
 
 from optax_lossscale import porting as porting
+from optax_lossscale._autocast.evaluate import CustomRuleWarning as CustomRuleWarning
 from optax_lossscale._autocast.lists import ALLOW_LIST as ALLOW_LIST
 from optax_lossscale._autocast.lists import CLEAR_LIST as CLEAR_LIST
 from optax_lossscale._autocast.lists import DENY_LIST as DENY_LIST
@@ -27,7 +28,6 @@ from optax_lossscale._autocast.policy import (
   default_half_dtype as default_half_dtype,
 )
 from optax_lossscale._autocast.policy import get_policy as get_policy
-from optax_lossscale._autocast.evaluate import CustomRuleWarning as CustomRuleWarning
 from optax_lossscale._autocast.transform import autocast as autocast
 from optax_lossscale._loss_scale.config import DEFAULT_MAX_SCALE as DEFAULT_MAX_SCALE
 from optax_lossscale._loss_scale.config import DEFAULT_MIN_SCALE as DEFAULT_MIN_SCALE
