@@ -477,3 +477,25 @@ def test_apply_gradients_on_python_scalar_float64_zero_size_and_nonfinite_leaves
     assert a.shape == b.shape and a.dtype == b.dtype == np.float32, k
     np.testing.assert_array_equal(a, b)
   assert np.isnan(new["w"][1, 7]) and not np.isfinite(new["w"][3, 0])
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-2])
+@pytest.mark.parametrize("learning_rate", [0.01, 1e-3 / 3])
+def test_a_constant_learning_rate_is_kept_as_given_for_float64(
+  learning_rate, weight_decay
+):
+  """Refused where float32 cannot hold it, but kept as given: float64
+  parameters (x64 on) are stepped with the float64 rate, as optax's adam
+  steps them (a float32 copy of 0.01 moved every update 2e-8 apart)."""
+  make = optax.adamw if weight_decay else optax.adam
+  with versions.x64():
+    params = {"w": jnp.asarray(np.linspace(-1.0, 1.0, 512), jnp.float64)}
+    grads = {"w": jnp.asarray(np.linspace(1.0, -1.0, 512), jnp.float64)}
+    tx = ols.adam_8bit(learning_rate, weight_decay=weight_decay, min_size=0)
+    assert tx.learning_rate == learning_rate
+    kw = {"weight_decay": weight_decay} if weight_decay else {}
+    ref = ols.quantize_state(make(learning_rate, **kw), min_size=0)
+    got, _ = tx.update(grads, tx.init(params), params)
+    want, _ = ref.update(grads, ref.init(params), params)
+    assert got["w"].dtype == jnp.float64
+    np.testing.assert_allclose(got["w"], want["w"], rtol=4 * 2.0**-52, atol=0)

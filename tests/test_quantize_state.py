@@ -168,6 +168,30 @@ _EIGHT_BIT = {
   "adam_8bit": lambda: ols.adam_8bit(1e-3, min_size=0),
   "adam_8bit, pallas": lambda: ols.adam_8bit(1e-3, min_size=0, kernel="pallas"),
 }
+#: States of other transformations whose leaves have Adam's key paths.
+_OTHER_STATES = {
+  "AdaBelief's (count, mu, nu)": lambda: optax.adabelief(1e-3),
+  "AdamW's chain (one more empty state)": lambda: optax.adamw(1e-3),
+  "AMSGrad's (count, mu, nu, nu_max)": lambda: optax.amsgrad(1e-3),
+}
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("other", _OTHER_STATES)
+@pytest.mark.parametrize("name", _EIGHT_BIT)
+def test_a_state_made_by_another_transformation_is_refused(name, other, jit):
+  """Not run with Adam's rule on another optimizer's moments, nor left to an
+  error deep in optax or JAX: the library's message, before anything runs."""
+  tx = _EIGHT_BIT[name]()
+  layout = {"layout": "flat"} if "flat" in name else {}
+  params = {"w": jnp.ones((4, 256))}
+  made = ols.quantize_state(_OTHER_STATES[other](), min_size=0, **layout)
+  state = made.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  with pytest.raises(ValueError, match="another transformation"):
+    update(_grads(params), state, params)
+
+
 _SHAPED = {
   # 1010 entries in 1000's 4 blocks of 256: nothing in the layout differs
   "longer, the same blocks": {"w": jnp.ones(1010), "m": jnp.ones((1000, 1))},

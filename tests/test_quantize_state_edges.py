@@ -407,3 +407,21 @@ def test_python_numbers_are_chosen_alike_eagerly_and_under_jit(case):
   # a state made eagerly updates under jit, and the other way round
   jax.jit(tx.update)(grads, tx.init(params), params)
   tx.update(grads, jax.jit(tx.init)(params), params)
+
+
+@pytest.mark.parametrize("layout", ["leaf", "flat"])
+@pytest.mark.parametrize(
+  "number",
+  [0.3, np.float32(0.3)],
+  ids=["Python float", "NumPy float32"],
+)
+def test_a_python_number_gradient_is_taken_eagerly_as_under_jit(layout, number):
+  """optax takes a Python number as a gradient: so does every layout, eagerly
+  too (the flat layout's eager update crashed reshaping it)."""
+  params = {"w": 1.5, "x": jnp.ones(300)}
+  grads = {"w": number, "x": jnp.full(300, 0.5)}
+  tx = ols.quantize_state(optax.adam(1e-2), min_size=0, layout=layout)
+  want, _ = optax.adam(1e-2).update(grads, optax.adam(1e-2).init(params), params)
+  for update in (tx.update, jax.jit(tx.update)):
+    got, _ = update(grads, tx.init(params), params)
+    chex.assert_trees_all_close(got, want, rtol=1e-6)

@@ -179,8 +179,9 @@ def adam_8bit(
   """
   # As float32 computes with them: b1 = 1 - 1e-9 is 1.0 there (a zero bias
   # correction), 1e39 is inf.
-  if not callable(learning_rate):
-    learning_rate = _validate.as_f32("learning_rate", learning_rate)
+  if not callable(learning_rate):  # finite in float32; kept as given (float64)
+    _validate.as_f32("learning_rate", learning_rate)
+    learning_rate = _validate.as_float("learning_rate", learning_rate)
   for name, given in (("b1", b1), ("b2", b2)):
     if not 0.0 <= _validate.as_f32(name, given) < 1.0:
       raise ValueError(f"`{name}` must be in [0, 1) in float32, got {given!r}.")

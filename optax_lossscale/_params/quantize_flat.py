@@ -272,8 +272,13 @@ def flat_update(
   each group's unchanged blocks kept, the others encoded at ``step``."""
   like = params if params is not None else updates
   owners, shapes = _owners(like)
-  u_leaves, u_def = jax.tree.flatten(updates)
-  p_leaves, p_def = jax.tree.flatten(params) if params is not None else ([], None)
+  # an eager update's Python numbers as the arrays a jitted one traces
+  u_leaves, u_def = jax.tree.flatten(jax.tree.map(jnp.asarray, updates))
+  p_leaves, p_def = (
+    jax.tree.flatten(jax.tree.map(jnp.asarray, params))
+    if params is not None
+    else ([], None)
+  )
   s_paths, s_def = jax.tree_util.tree_flatten_with_path(inner_state, is_leaf=is_grouped)
   s_leaves = [x for _, x in s_paths]
   lane_shapes = dict(enumerate(shapes))

@@ -679,6 +679,16 @@ def _check_layout(expected: Any, state: Any) -> None:
         "another transformation (or with another block_size or min_size). "
         "Init a fresh state, or pass the parameters it was made for."
       )
+  # The same leaves in other nodes: another optimizer's state (AdaBelief's
+  # count, mu and nu for Adam's, AdamW's chain for Adam's).
+  got_t, want_t = (jax.tree.structure(x, is_leaf=_is_stored) for x in (state, expected))
+  if got_t != want_t:
+    raise ValueError(
+      "quantize_state: the state's structure is not the one this "
+      "transformation makes for these parameters: it was made by another "
+      "transformation (or for other parameters). Init a fresh state.\n"
+      f"  state: {_tree.short(got_t)}\n  made:  {_tree.short(want_t)}"
+    )
 
 
 def _describe(x: Any, dtype: bool = True) -> str:
