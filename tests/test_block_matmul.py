@@ -322,6 +322,29 @@ def test_nvfp4s_stochastic_rounding_follows_the_gradient_and_is_reproducible():
   assert not np.array_equal(a["w1"], other_seed["w1"])
 
 
+@pytest.mark.parametrize(
+  "seed, alike",
+  [(2**40, 0), (2**32 + 1, 1), (-1, 2**32 - 1), (2**63 - 1, 2**32 - 1)],
+  ids=["2**40", "2**32 + 1", "-1", "2**63 - 1"],
+)
+def test_every_bit_of_the_seed_counts_with_x64_on_or_off(seed, alike):
+  """A seed and one with the same low 32 bits draw other numbers (without
+  x64, jax.random.key(2**40) keeps only the low bits: key(0)'s), and each
+  seed draws the same ones with x64 on or off."""
+  params, x = _mlp()
+
+  def grads(seed):
+    loss = ols.autocast(
+      _mlp_loss, compute_dtype=jnp.bfloat16, matmul=ols.NVFP4Matmul(seed=seed)
+    )
+    return np.asarray(jax.jit(jax.grad(loss))(params, x)["w1"])
+
+  got = grads(seed)
+  assert not np.array_equal(got, grads(alike))
+  with versions.x64():
+    np.testing.assert_array_equal(grads(seed), got)
+
+
 def test_layers_are_excluded_by_module_path():
   flax = pytest.importorskip("flax")
   del flax

@@ -171,8 +171,9 @@ class NVFP4Matmul:
       stochastically (to nearest everywhere else, and everywhere when off).
     weight_2d: the weight (the right-hand operand) in 16 x 16 tiles, so the
       forward pass and the input gradient use the same quantised weight.
-    seed: an integer; the random numbers are drawn from ``key(seed)``
-      folded with a hash of each output gradient.
+    seed: an integer (64 bits, signed); the random numbers are drawn from
+      a key of all its bits, x64 on or off (``key(seed)`` for a seed in
+      ``[0, 2**32)``), folded with a hash of each output gradient.
     exclude: matmuls kept in the compute dtype by module path, as
       :class:`MXFP8Matmul`'s; none by default.
     keep: structural roles kept in the compute dtype, as
@@ -272,9 +273,17 @@ def _key(recipe: NVFP4Matmul, g: jax.Array) -> jax.Array:
   mixed = bits * jnp.uint32(0x9E3779B1) + jnp.arange(
     bits.size, dtype=jnp.uint32
   ).reshape(bits.shape)
-  return jax.random.fold_in(
-    jax.random.key(recipe.seed), jnp.sum(mixed, dtype=jnp.uint32)
-  )
+  return jax.random.fold_in(_seed_key(recipe.seed), jnp.sum(mixed, dtype=jnp.uint32))
+
+
+def _seed_key(seed: int) -> jax.Array:
+  """``key(seed)`` of all 64 bits of ``seed``, x64 on or off: its low 32
+  bits, folded with its high 32 bits unless they are 0 (``key(2**40)``
+  without x64 keeps only the low bits, and would be ``key(0)``)."""
+  seed = int(seed) % 2**64
+  key = jax.random.key(seed % 2**32)
+  high = seed >> 32
+  return key if high == 0 else jax.random.fold_in(key, high)
 
 
 def _q(x: jax.Array, axis: int, recipe: Any, *, tile_axis=None, key=None):
