@@ -433,6 +433,22 @@ def test_list_matmuls_takes_shape_dtype_structs_as_it_takes_arrays(matmul):
   assert len(ols.list_matmuls(fast, *abstract, train=False)) == 1
 
 
+@pytest.mark.parametrize("matmul", [None, "float8", "mxfp8"])
+def test_list_matmuls_lists_a_partial_of_an_autocast_function_as_the_function(matmul):
+  import functools
+
+  def f(w, x, scale=1.0):
+    return jnp.sum(jnp.tanh(x @ w) * scale)
+
+  fast = ols.autocast(f, compute_dtype=jnp.bfloat16, matmul=matmul)
+  w, x = jnp.ones((16, 8)), jnp.ones((4, 16))
+  want = ols.list_matmuls(fast, w, x, scale=2.0)
+  assert ols.list_matmuls(functools.partial(fast, w), x, scale=2.0) == want
+  bound = functools.partial(functools.partial(fast, scale=2.0), w)
+  assert ols.list_matmuls(bound, x) == want
+  assert want[0].precision == (matmul or "bfloat16")
+
+
 def test_calls_outside_jit_are_rewritten_once_per_signature():
   traces = []
 

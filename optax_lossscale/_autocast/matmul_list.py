@@ -44,9 +44,12 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
 
   Args:
     fun: a function made by :func:`~optax_lossscale.autocast` (its
-      compute dtype and recipe), or any function (its matmuls as written);
-      not ``jax.grad``, ``jax.vmap`` or ``jax.jit`` of an autocast function
-      (a ``ValueError``: list the autocast function itself).
+      compute dtype and recipe), a ``functools.partial`` of one, or any
+      function (its matmuls as written: a function that calls an autocast
+      function, a ``lambda`` say, lists what that function's rewrite
+      computes, a recipe's emulation included, so list the autocast function
+      itself); not ``jax.grad``, ``jax.vmap`` or ``jax.jit`` of an autocast
+      function (a ``ValueError``: list the autocast function itself).
     *args: its positional arguments (arrays, or ``jax.ShapeDtypeStruct``).
     **kwargs: its keyword arguments, likewise.
 
@@ -84,6 +87,9 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
     nvfp4 None ('float32', 'float32')
     bfloat16 output None
   """
+  while isinstance(fun, functools.partial):  # its arguments go first
+    args, kwargs = (*fun.args, *args), {**fun.keywords, **kwargs}
+    fun = fun.func
   inner, rules = getattr(fun, "_autocast", (fun, _AS_WRITTEN))
   if rules is not _AS_WRITTEN and getattr(fun, "__wrapped__", None) is not inner:
     # jax.grad, jax.vmap or jax.jit of an autocast function carry its
