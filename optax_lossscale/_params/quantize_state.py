@@ -238,8 +238,10 @@ def quantize_state(
   ``inner`` made them, whatever their size. ``select`` chooses instead:
   ``select(path, leaf)`` (the leaf's key path in ``inner``'s state, as
   ``jax.tree_util.tree_flatten_with_path`` gives it) is ``True`` for a
-  leaf to quantise, which must then be a real floating array of at least
-  ``min_size`` elements, of any shape. A quantised leaf is stored as a
+  leaf to quantise, of any shape; a leaf that is not a real floating array
+  of at least ``min_size`` elements (a counter, a scalar) is kept whatever
+  it returns, so ``select=lambda path, leaf: True`` quantises every leaf
+  that can be. A quantised leaf is stored as a
   :class:`QuantizedLeaf`: blocks of ``block_size`` consecutive
   elements of the flattened leaf (blocks that do not cross the leaf's
   leading axes where its trailing ones hold whole blocks), one float32
