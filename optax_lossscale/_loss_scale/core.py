@@ -220,6 +220,39 @@ def varying_axes(x: jax.Array) -> frozenset:
   return frozenset(getattr(aval, "vma", ()))  # older JAX
 
 
+def psum_over(x: jax.Array, axis_name: Any) -> jax.Array:
+  """``lax.psum(x, axis_name)``, where ``x`` may vary over fewer of the named
+  axes than ``shard_map`` requires (it is then marked as varying over the
+  others, ``lax.pcast(..., to="varying")``: naming an axis the gradients are replicated over
+  changes no flag), or a ValueError naming ``axis_name`` where no mapped
+  axis of that name is bound (a name the mesh lacks, ``jit`` without
+  ``shard_map``), in place of JAX's ``NameError`` or bare ``AssertionError``.
+  """
+  try:
+    return lax.psum(x, axis_name)
+  except (NameError, AssertionError, ValueError) as e:
+    error = e
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  missing = tuple(a for a in names if a not in varying_axes(x))
+  if missing and hasattr(lax, "pcast"):  # JAX >= 0.8: lax.pvary's successor
+    try:
+      return lax.psum(lax.pcast(x, missing, to="varying"), axis_name)
+    except (NameError, AssertionError, ValueError):
+      pass
+  elif missing and hasattr(lax, "pvary"):
+    try:
+      return lax.psum(lax.pvary(x, missing), axis_name)
+    except (NameError, AssertionError, ValueError):
+      pass
+  raise ValueError(
+    f"axis_name={axis_name!r} names no axis the loss scale can reduce its "
+    "finite flag over here: name the axes of the pmap, vmap or shard_map "
+    "(its mesh's axis names) the step runs in, or pass axis_name=None under "
+    f"jax.jit, where the flag is already global. ({type(error).__name__}: "
+    f"{str(error)[:200]})"
+  ) from error
+
+
 def reduce_flag(flag: jax.Array, axis_name: Any) -> jax.Array:
   """ANDs a boolean flag across a named axis (pmap, shard_map, vmap).
 
@@ -230,7 +263,7 @@ def reduce_flag(flag: jax.Array, axis_name: Any) -> jax.Array:
       loss scales drift apart.
   """
   if axis_name is not None:
-    any_bad = lax.psum(jnp.logical_not(flag).astype(_I32), axis_name)
+    any_bad = psum_over(jnp.logical_not(flag).astype(_I32), axis_name)
     flag = any_bad == 0
   varying = varying_axes(flag)
   if varying:

@@ -142,7 +142,7 @@ def _any_device(kinds: jax.Array, axis_name: Any) -> jax.Array:
   if axis_name is None:
     return kinds
   bits = jnp.stack([kinds & _finite.NAN, kinds & _finite.INF]).astype(_I32)
-  bits = lax.psum(bits, axis_name) > 0
+  bits = _core.psum_over(bits, axis_name) > 0
   nan = jnp.where(bits[0], np.uint8(_finite.NAN), np.uint8(0))
   return nan | jnp.where(bits[1], np.uint8(_finite.INF), np.uint8(0))
 

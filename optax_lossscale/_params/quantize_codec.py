@@ -175,12 +175,14 @@ def _whole_blocks(x: jax.Array, k: int, block_size: int) -> jax.Array:
 
 
 def _as_sharded_as(v: jax.Array, like: jax.Array) -> jax.Array:
-  """``v`` in ``like``'s explicit sharding, where :func:`_whole_blocks`
-  gathered ``like`` (a no-op otherwise)."""
+  """``v`` in ``like``'s explicit sharding (replicated included), where the
+  two differ: where :func:`_whole_blocks` gathered ``like``, or where a
+  state was placed otherwise than its update computes (restored, or put
+  with ``jax.device_put``). A no-op without explicit sharding."""
   spec = _tree.explicit_spec(like)
-  if spec is None or _tree.explicit_spec(v) == spec:
+  if _tree.explicit_spec(v) == spec:
     return v
-  return jax.sharding.reshard(v, jax.sharding.PartitionSpec(*spec))
+  return jax.sharding.reshard(v, jax.sharding.PartitionSpec(*(spec or ())))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,6 +449,10 @@ def kept_blocks(changed, codes, scales, old_codes, old_scales) -> tuple:
   rounding stochastically, a code. ``changed`` None: as they are."""
   if changed is None:
     return codes, scales
+  old_codes, old_scales = (
+    _as_sharded_as(old_codes, codes),
+    _as_sharded_as(old_scales, scales),
+  )
   codes = jnp.where(changed[..., None], codes, old_codes.astype(codes.dtype))
   return codes, jnp.where(changed, scales, old_scales)
 

@@ -324,3 +324,56 @@ def test_a_jitted_inner_update_keeps_its_out_shardings():
     _, new = update(grads, ls_state, params)
     mu = new.inner_state[0].mu["w"]
     assert mu.sharding.is_equivalent_to(sharded, mu.ndim), mu.sharding
+
+
+# --------------------------------------------------------------------------
+# axis_name: an extra axis is harmless; an axis that is not there is a clear
+# error wherever the step runs.
+# --------------------------------------------------------------------------
+
+
+def _shard_mapped_scale(axis_name, inf):
+  """The scale after one shard_map step on a 2 x 4 mesh whose gradients vary
+  over "data" only (an infinity on one shard if ``inf``)."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  params = {"w": jnp.ones((8, 16))}
+  grads = {"w": jnp.ones((8, 16)).at[0, 0].set(jnp.inf if inf else 1.0)}
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0, axis_name=axis_name)
+  spec = {"w": P("data")}
+  step = jax.jit(
+    jax.shard_map(
+      lambda g, s, p: tx.update(g, s, p)[1].loss_scale,
+      mesh=mesh,
+      in_specs=(spec, P(), spec),
+      out_specs=P(),
+    )
+  )
+  sh = {"w": NamedSharding(mesh, P("data"))}
+  return float(
+    step(jax.device_put(grads, sh), tx.init(params), jax.device_put(params, sh))
+  )
+
+
+@pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="jax.shard_map")
+@pytest.mark.parametrize("inf", [False, True], ids=["finite", "inf on one shard"])
+@pytest.mark.parametrize("axis_name", ["data", ("data", "model"), ("model", "data")])
+def test_naming_an_axis_the_gradients_do_not_vary_over_changes_nothing(axis_name, inf):
+  assert _shard_mapped_scale(axis_name, inf) == (4.0 if inf else 8.0)
+
+
+@pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="jax.shard_map")
+@pytest.mark.parametrize(
+  "where",
+  ["shard_map, no such mesh axis", "jit, no mapped axis", "vmap without axis_name"],
+)
+def test_an_axis_name_that_names_no_mapped_axis_is_a_clear_error(where):
+  params = {"w": jnp.ones((8, 16))}
+  tx = ols.dynamic_loss_scale(optax.sgd(0.1), axis_name="batch")
+  with pytest.raises(ValueError, match="axis_name='batch' names no axis"):
+    if where.startswith("shard_map"):
+      _shard_mapped_scale("batch", False)
+    elif where.startswith("jit"):
+      jax.jit(tx.update)(params, tx.init(params), params)
+    else:
+      stacked = jax.tree.map(lambda x: jnp.stack([x, x]), params)
+      jax.vmap(lambda g, p: tx.update(g, tx.init(p), p)[0])(stacked, stacked)

@@ -251,3 +251,51 @@ def test_the_flat_layout_refuses_explicitly_sharded_leaves():
     given = params if sharded == "params" else init_params()
     with jax.set_mesh(mesh), pytest.raises(ValueError, match="layout='leaf'"):
       jax.jit(tx.update)(grads, state, given)
+
+
+#: How a state may be placed when restored or put back on the devices.
+PLACEMENTS = {
+  "as FSDP places it": lambda a: (
+    P("data") if np.ndim(a) and np.shape(a)[0] % N == 0 else P()
+  ),
+  "replicated": lambda a: P(),
+  "codes by rows, scales replicated": lambda a: (
+    P("data") if np.shape(a) == (64, 1024) else P()
+  ),
+}
+#: The 8-bit updates, each a factory.
+EIGHT_BIT = {
+  "quantize_state": lambda: ols.quantize_state(optax.adam(1e-2), min_size=1024),
+  "adam_8bit": lambda: ols.adam_8bit(1e-2, min_size=1024),
+  "adam_8bit, pallas": lambda: ols.adam_8bit(1e-2, min_size=1024, kernel="pallas"),
+  "dynamic_loss_scale(quantize_state)": lambda: ols.dynamic_loss_scale(
+    ols.quantize_state(optax.adam(1e-2), min_size=1024), initial_scale=1.0
+  ),
+}
+
+
+@versions.explicit_sharding
+@pytest.mark.parametrize("placement", PLACEMENTS)
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_a_state_placed_otherwise_than_init_places_it_updates_as_one_device(
+  name, placement
+):
+  """Under an explicit mesh a restored (or device_put) state whose codes and
+  scales are sharded otherwise than its update computes them: the update
+  runs (it raised a select of two shardings) and keeps one device's bits."""
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  params = {"w": jnp.asarray(np.random.default_rng(0).normal(size=(64, 1024)))}
+  g = jax.tree.map(lambda p: p * 0.1, params)
+  tx = EIGHT_BIT[name]()
+  want = jax.jit(tx.update)(g, tx.init(params), params)
+  rule = PLACEMENTS[placement]
+  with jax.set_mesh(mesh):
+    sharded = jax.device_put(params, NamedSharding(mesh, P("data")))
+    saved = jax.device_get(jax.jit(tx.init)(sharded))  # a checkpoint's arrays
+    state = jax.tree.map(
+      lambda a: jax.device_put(a, NamedSharding(mesh, rule(a))), saved
+    )
+    got = jax.jit(tx.update)(
+      jax.device_put(g, NamedSharding(mesh, P("data"))), state, sharded
+    )
+  assert_bitwise_equal(jax.device_get(got), jax.device_get(want))
