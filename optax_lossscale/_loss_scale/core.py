@@ -224,9 +224,10 @@ def psum_over(x: jax.Array, axis_name: Any) -> jax.Array:
   """``lax.psum(x, axis_name)``, where ``x`` may vary over fewer of the named
   axes than ``shard_map`` requires (it is then marked as varying over the
   others, ``lax.pcast(..., to="varying")``: naming an axis the gradients
-  are replicated over changes no flag), or a ValueError naming ``axis_name`` where no mapped
-  axis of that name is bound (a name the mesh lacks, ``jit`` without
-  ``shard_map``), in place of JAX's ``NameError`` or bare ``AssertionError``.
+  are replicated over changes no flag), or a ValueError naming
+  ``axis_name`` where no mapped axis of that name is bound (a name the mesh
+  lacks, ``jit`` without ``shard_map``), in place of JAX's ``NameError`` or
+  bare ``AssertionError``.
   """
   try:
     return lax.psum(x, axis_name)
