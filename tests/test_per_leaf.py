@@ -430,6 +430,14 @@ PLANS.update(
       BF16,
       {"a": HALF_FIRST, "b": "float32"},
     ),
+    "a half-precision accumulator after master_weights": (
+      lambda: optax.chain(
+        ols.master_weights(optax.adam(1e-3)),
+        optax.trace(0.9, accumulator_dtype=BF16),
+      ),
+      BF16,
+      {"a": "float32", "b": "float32"},
+    ),
     "float32 ema_params after master_weights": (
       lambda: optax.chain(ols.master_weights(optax.adam(1e-3)), ols.ema_params(0.9)),
       BF16,
@@ -512,3 +520,16 @@ def test_the_plan_of_a_state_without_a_loss_scale_is_a_clear_error():
   params = {"w": jnp.ones(3)}
   with pytest.raises(ValueError, match="No loss-scale state"):
     ols.loss_scale_plan(optax.adam(1e-3).init(params), params)
+
+
+def test_no_op_loss_scale_hands_everything_over_as_it_is_and_says_nothing():
+  """It unscales nothing: no leaf reaches the inner optimizer in float32, so
+  a half-precision state before master_weights changes nothing there."""
+  params = {"w": jnp.ones((4, 4), BF16)}
+  inner = optax.chain(optax.trace(0.9), ols.master_weights(optax.adam(1e-3)))
+  tx = ols.porting.with_loss_scale(inner, ols.porting.NoOpLossScale())
+  state = tx.init(params)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _, new = jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)
+  assert new.inner_state[0].trace["w"].dtype == BF16

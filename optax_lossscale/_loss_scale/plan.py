@@ -102,8 +102,8 @@ def plan_of(inner_state: Any, grads: Any) -> LossScalePlan:
   """
   overwrite = _overwrite.state_mask(inner_state, grads)
   regular = inner_state if overwrite is None else inner_state.inner_state
-  float32 = float32_gradient_leaves(regular, grads)
-  held_back = _kept_masters(regular, grads)[1]
+  kept, held_back = _kept_masters(regular, grads)
+  float32 = _float32_marks(grads, kept, held_back)
   flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
   marks_32 = _marks(float32, treedef)
   marks_ow = _marks(overwrite, treedef)
@@ -172,7 +172,7 @@ def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
   ``inject_hyperparams`` keep the parameters' key paths). A leaf of
   ``grads`` is marked when its key path is one of those and it is a
   half-precision array, unless a half-precision state leaf of that
-  parameter lies outside every such state (a transformation before
+  parameter comes before that state in a chain (a transformation before
   ``master_weights`` holding its gradients in half precision: float32
   gradients would change that state's dtype): that leaf, and no other,
   reaches the inner optimizer in float32. A fact of the state's structure,
@@ -181,7 +181,11 @@ def float32_gradient_leaves(opt_state: Any, grads: Any) -> Any | None:
   Returns:
     A tree of bools like ``grads``, or ``None`` when no leaf is marked.
   """
-  kept, held_back = _kept_masters(opt_state, grads)
+  return _float32_marks(grads, *_kept_masters(opt_state, grads))
+
+
+def _float32_marks(grads: Any, kept: set[str], held_back: set[str]) -> Any | None:
+  """:func:`float32_gradient_leaves`' marks, of :func:`_kept_masters`' sets."""
   if not kept:
     return None
   flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
@@ -204,8 +208,13 @@ def _is_half(x: Any) -> bool:
 
 def _kept_masters(opt_state: Any, grads: Any) -> tuple[set[str], set[str]]:
   """``(the key paths a KeepsFloat32Masters state keeps a master of, those
-  of them whose parameter also owns a half-precision state leaf outside
-  every such state)``: the second are handed over in their own dtype."""
+  of them whose parameter also owns a half-precision state leaf that comes
+  before such a state in a chain)``: the second are handed over in their
+  own dtype. Before: where the two paths part, both are entries of one
+  tuple (a chain's states), the half leaf's the earlier; a state after
+  ``master_weights``, or beside it in a named field, never sees the
+  gradients the loss scale hands over (a wrapper's field that does, should
+  it change dtype, makes the update fall back to each leaf's own dtype)."""
   found = _tree.find_all(opt_state, _roles.keeps_masters)
   kept: set[str] = set()
   for _, node in found:
@@ -221,16 +230,32 @@ def _kept_masters(opt_state: Any, grads: Any) -> tuple[set[str], set[str]]:
     tuple(path): _tree.keystr(path)
     for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]
   }
-  inside = [tuple(path) for path, _ in found]
+  stored = lambda x: _roles.is_quantized(x) or _roles.is_in_group(x)  # noqa: E731
+  if not any(_is_half(x) for x in jax.tree.leaves(opt_state, is_leaf=stored)):
+    return kept, set()  # the common case, found without walking paths
+  masters = [tuple(path) for path, _ in found]
   held_back = set()
   for path, x in _roles.state_leaves(_half_state.without_half_by_design(opt_state)):
+    if not _is_half(x):
+      continue
     path = tuple(path)
-    if not _is_half(x) or any(path[: len(m)] == m for m in inside):
+    if not any(_before(path, m) for m in masters):
       continue
     owner = owners.get(_tree.owner_path(path, owners))
     if owner in kept:
       held_back.add(owner)
   return kept, held_back
+
+
+def _before(path: tuple, master: tuple) -> bool:
+  """Whether state leaf ``path`` comes before the state at ``master`` in a
+  chain: where the two paths part, both are entries of one tuple (a
+  ``SequenceKey``), ``path``'s the earlier."""
+  for a, b in zip(path, master, strict=False):
+    if a != b:
+      seq = jax.tree_util.SequenceKey
+      return isinstance(a, seq) and isinstance(b, seq) and a.idx < b.idx
+  return False  # inside the master's state, or the master inside it
 
 
 def _marks(tree: Any, treedef: Any) -> list[bool]:

@@ -129,7 +129,9 @@ def loss_scale_transformation(
     # Flax's float8 overwrite leaves (new values, not gradients): never
     # unscaled and never seen by `inner`, but checked with the gradients.
     plan = _plan.plan_of(state.inner_state, updates)  # what loss_scale_plan prints
-    if any(leaf.handed_over == _plan.HALF_STATE_FIRST for leaf in plan.leaves):
+    if not config.noop and any(  # NoOpLossScale hands every leaf over as it is
+      leaf.handed_over == _plan.HALF_STATE_FIRST for leaf in plan.leaves
+    ):
       warnings.warn(
         _HALF_STATE_MESSAGE, _half_state.HalfPrecisionStateWarning, stacklevel=2
       )

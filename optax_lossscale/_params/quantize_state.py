@@ -682,15 +682,21 @@ def _check_layout(expected: Any, state: Any) -> None:
         "Init a fresh state, or pass the parameters it was made for."
       )
   # The same leaves in other nodes: another optimizer's state (AdaBelief's
-  # count, mu and nu for Adam's, AdamW's chain for Adam's).
+  # count, mu and nu for Adam's, AdamW's chain for Adam's). A list for a
+  # tuple (a serializer's round trip) is the same state.
   got_t, want_t = (jax.tree.structure(x, is_leaf=_is_stored) for x in (state, expected))
-  if got_t != want_t:
+  if _containers(got_t) != _containers(want_t):
     raise ValueError(
       "quantize_state: the state's structure is not the one this "
       "transformation makes for these parameters: it was made by another "
       "transformation (or for other parameters). Init a fresh state.\n"
       f"  state: {_tree.short(got_t)}\n  made:  {_tree.short(want_t)}"
     )
+
+
+def _containers(treedef: Any) -> str:
+  """``treedef`` as text, lists and tuples alike."""
+  return str(treedef).replace("[", "(").replace("]", ")")
 
 
 def _describe(x: Any, dtype: bool = True) -> str:
