@@ -243,11 +243,13 @@ def test_a_float64_loss_is_scaled_in_float64():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("missing", ["a leaf", "a subtree"])
 @pytest.mark.parametrize("with_params", [True, False], ids=["params", "no params"])
 @pytest.mark.parametrize("wrapper", WRAPPERS)
 @versions.adam_refuses_none
-def test_a_none_gradient_for_a_parameter_is_named(wrapper, with_params):
-  params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+def test_a_none_gradient_for_a_parameter_is_named(wrapper, with_params, missing):
+  b = jnp.zeros(2) if missing == "a leaf" else {"x": jnp.zeros(2), "y": jnp.ones(1)}
+  params = {"w": jnp.ones(3), "b": b}
   grads = {"w": jnp.ones(3), "b": None}
   tx = WRAPPERS[wrapper](optax.adam(1e-3))
   state = tx.init(params)

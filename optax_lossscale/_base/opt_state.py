@@ -179,22 +179,22 @@ def _describe(leaf: tuple) -> str:
 
 
 def none_gradients(grads: Any, params: Any) -> list[str]:
-  """Paths where ``grads`` hold ``None`` for a parameter (any ``None`` without
-  ``params``)."""
+  """Paths where ``grads`` hold ``None`` for a parameter or a subtree of
+  parameters (any ``None`` without ``params``)."""
   is_none = lambda x: x is None  # noqa: E731
   nones = [
-    _tree.keystr(path)
+    tuple(path)
     for path, g in jax.tree_util.tree_flatten_with_path(grads, is_leaf=is_none)[0]
     if g is None
   ]
-  if params is None:
-    return nones
-  present = {
-    _tree.keystr(path)
-    for path, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
-    if p is not None
-  }
-  return [path for path in nones if path in present]
+  if params is not None:
+    present = [
+      tuple(path)
+      for path, p in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_none)[0]
+      if p is not None
+    ]
+    nones = [n for n in nones if any(p[: len(n)] == n for p in present)]
+  return [_tree.keystr(path) for path in nones]
 
 
 def blame_none_gradients(grads: Any, params: Any, error: Exception) -> None:
