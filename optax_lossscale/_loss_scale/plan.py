@@ -36,8 +36,8 @@ __all__ = [
 
 #: How a gradient leaf reaches the inner optimizer.
 FLOAT32, OWN_DTYPE, OVERWRITTEN = "float32", "own dtype", "overwritten"
-#: A leaf with a float32 master that a half-precision state outside
-#: ``master_weights`` also holds: handed over in its own dtype.
+#: A leaf with a float32 master whose gradients a half-precision state before
+#: ``master_weights`` in a chain also holds: handed over in its own dtype.
 HALF_STATE_FIRST = "own dtype (half-precision state first)"
 
 
