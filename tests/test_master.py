@@ -9,6 +9,7 @@ failing. Skips, donation, Orbax, the loss scale's float32 gradients, the
 one step ``apply_updates`` cannot land, and the errors.
 """
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -351,3 +352,23 @@ def test_a_parameter_at_inf_stays_there_and_never_becomes_nan(case, jitted):
     np.testing.assert_allclose(master, expected, rtol=1e-6)
   else:  # the master is the parameter it could not leave
     assert master == np.inf
+
+
+def test_a_loss_scale_of_one_skips_a_nonfinite_step_exactly_where_apply_if_finite_cannot():
+  """What the guide recommends: static_loss_scale(master_weights(...), 1.0)
+  skips a NaN step and changes nothing; optax's apply_if_finite around
+  master_weights fails to trace (its skip's zeros are in the gradients'
+  dtype, master_weights' updates float32), as the guide says."""
+  params = {"w": jnp.linspace(-1.0, 1.0, 8).astype(jnp.bfloat16)}
+  good = {"w": jnp.full(8, 0.25, jnp.bfloat16)}
+  bad = {"w": good["w"].at[3].set(jnp.nan)}
+  tx = ols.static_loss_scale(ols.master_weights(optax.adam(1e-3)), 1.0)
+  update = jax.jit(tx.update)
+  _, state = update(good, tx.init(params), params)
+  updates, skipped = update(bad, state, params)
+  np.testing.assert_array_equal(updates["w"], 0.0)
+  chex.assert_trees_all_equal(skipped.inner_state, state.inner_state)
+  assert int(ols.diagnostics(skipped)["skipped_steps"]) == 1
+  plain = optax.apply_if_finite(ols.master_weights(optax.adam(1e-3)), 3)
+  with pytest.raises(TypeError, match="float32.*bfloat16"):  # JAX's words vary
+    jax.jit(plain.update)(good, plain.init(params), params)
