@@ -354,7 +354,7 @@ def test_a_parameter_at_inf_stays_there_and_never_becomes_nan(case, jitted):
     assert master == np.inf
 
 
-def test_a_loss_scale_of_one_skips_a_nonfinite_step_exactly_where_apply_if_finite_cannot():
+def test_a_loss_scale_of_one_skips_a_nonfinite_step_where_apply_if_finite_cannot():
   """What the guide recommends: static_loss_scale(master_weights(...), 1.0)
   skips a NaN step and changes nothing; optax's apply_if_finite around
   master_weights fails to trace (its skip's zeros are in the gradients'
