@@ -201,3 +201,24 @@ def test_ema_params_bad_input():
   two = optax.chain(ols.ema_params(), ols.ema_params())
   with pytest.raises(ValueError, match="Found 2 ema_params states"):
     ols.get_ema_params(two.init(_params()))
+
+
+@pytest.mark.standard_promotion  # optax's sgd of an integer leaf
+@pytest.mark.parametrize("other", [jnp.int32(3), jnp.arange(4)], ids=str)
+def test_ema_params_copies_every_array_so_a_donated_step_runs(other):
+  """The state holds no buffer of the parameters (an integer one included):
+  a step donating both would donate it twice."""
+  params = {"w": jnp.ones(3), "n": other}
+  tx = optax.chain(optax.sgd(0.1), ols.ema_params(0.9))
+  state = tx.init(params)
+  held = {id(x) for x in jax.tree.leaves(state)}
+  assert not any(id(p) in held for p in jax.tree.leaves(params))
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  grads = {"w": jnp.ones(3), "n": jnp.zeros_like(other)}  # as its own zeros
+  want = jax.jit(step)(params, state, grads)
+  got = jax.jit(step, donate_argnums=(0, 1))(params, state, grads)
+  chex.assert_trees_all_equal(got, want)

@@ -88,12 +88,28 @@ def test_a_function_leaf_is_called_not_differentiated_under_jit():
   assert float(g_x) == 6.0 * SCALE  # a traced float is an array
 
 
-@pytest.mark.parametrize("argnums", [2, -3, (0, 5), ()])
-def test_argnums_that_name_no_argument_are_a_value_error(argnums):
+@pytest.mark.parametrize("argnums", [2, -3, (0, 5), (), (0, 0), (0, -2), (1, 0, 1)])
+def test_argnums_that_name_no_argument_or_one_twice_are_a_value_error(argnums):
+  """A position named twice gave its first copy a zero gradient (the second
+  overwrote the argument it was taken at); jax.grad refuses it too."""
   with pytest.raises(ValueError, match=r"value_and_grad\(argnums="):
     ols.value_and_grad(lambda a, b: a * b, argnums=argnums)(
       _state(), jnp.float32(1.0), jnp.float32(2.0)
     )
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize(
+  "loss",
+  [lambda a: jnp.sum(a).astype(jnp.int32), lambda a: jnp.sum(a) > 0, lambda a: 3],
+)
+def test_a_loss_that_is_not_floating_is_a_value_error(loss, jit):
+  """Its gradient is 0 whatever the function (jax.grad refuses it)."""
+  grad_fn = ols.value_and_grad(loss)
+  if jit:
+    grad_fn = jax.jit(grad_fn)
+  with pytest.raises(ValueError, match="must return a floating loss"):
+    grad_fn(_state(), jnp.ones(2))
 
 
 # --- Equinox ------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import core as _core
@@ -56,6 +57,13 @@ def scaled_loss_fn(
         f"(loss, auxiliary output), got {got}."
       )
     loss = out[0] if has_aux else out
+    dtype = getattr(loss, "dtype", None) or jnp.result_type(loss)
+    if not jnp.issubdtype(dtype, jnp.inexact):  # jax.grad refuses it too
+      raise ValueError(
+        "value_and_grad: the loss function must return a floating loss (its "
+        f"gradient is otherwise 0), got {jnp.dtype(dtype).name}. Cast it "
+        "(loss.astype(jnp.float32))."
+      )
     return _core.scale_value(loss, scale), out
 
   return scaled
@@ -70,7 +78,13 @@ def _positions(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:
       f"value_and_grad(argnums={argnums!r}): positions of the loss function's "
       f"arguments after the optimizer state, of which there are {count}."
     )
-  return tuple(i % count for i in nums)
+  positions = tuple(i % count for i in nums)
+  if len(set(positions)) < len(positions):  # one argument's gradient twice
+    raise ValueError(
+      f"value_and_grad(argnums={argnums!r}) names one argument twice (as "
+      f"positions {positions} among {count}): name each once."
+    )
+  return positions
 
 
 def _split(tree: Any) -> tuple[Any, Any]:

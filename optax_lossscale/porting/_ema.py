@@ -86,13 +86,15 @@ def ema_params(
   )
 
   def init_fn(params):
-    # A copy, never the parameters' own buffer: a donated step would donate
-    # it twice.
+    # A copy, never the parameters' own buffer, of every array (an integer
+    # one included): a donated step would donate it twice.
     # A Python float parameter is averaged as the array apply_updates makes it.
     ema = jax.tree.map(
       lambda p: (
         jnp.array(p, _ema_dtype(jnp.asarray(p)), copy=True)
         if _tree.is_float_array(p) or isinstance(p, float)
+        else jnp.array(p, copy=True)
+        if isinstance(p, jax.Array)
         else p
       ),
       params,
