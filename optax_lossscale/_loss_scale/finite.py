@@ -185,7 +185,7 @@ def leaves_finite(
       continue
     x = held(x)
     spec = explicit_spec(x)
-    for part in (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,):
+    for part in _parts(x):
       part = _tested(part)
       size = part.size if spec is None else part.shape
       groups.setdefault((size, part.dtype, spec), []).append(part)
@@ -327,9 +327,7 @@ def count_nonfinite(x: Any) -> tuple[int, int]:
   if not jnp.issubdtype(dtype, jnp.inexact):  # before a PRNG key is fetched
     return 0, 0
   x = np.ravel(np.asarray(x))
-  nan, inf = _entry_kinds(
-    [np.ascontiguousarray(_tested(p)) for p in _parts(x)], np.logical_or
-  )
+  nan, inf = _entry_kinds([np.ascontiguousarray(_tested(p)) for p in _parts(x)])
   return int(np.count_nonzero(nan)), int(np.count_nonzero(inf))
 
 
@@ -340,7 +338,7 @@ def _parts(x: Any) -> tuple:
   return (x,)
 
 
-def _entry_kinds(parts: list, logical_or: Any) -> tuple[Any, Any]:
+def _entry_kinds(parts: list) -> tuple[Any, Any]:
   """``(NaN, infinite)`` masks of the entries whose parts are ``parts`` (of
   a dtype :func:`_tested` returns): an entry is NaN where a part is, and
   infinite where a part is (NumPy's ``isnan``, ``isinf``)."""
@@ -348,8 +346,8 @@ def _entry_kinds(parts: list, logical_or: Any) -> tuple[Any, Any]:
   for part in parts:
     magnitude, mask = _magnitude(part)
     n, i = magnitude > mask, magnitude == mask
-    nan = n if nan is None else logical_or(nan, n)
-    inf = i if inf is None else logical_or(inf, i)
+    nan = n if nan is None else nan | n  # NumPy or JAX booleans alike
+    inf = i if inf is None else inf | i
   return nan, inf
 
 
@@ -365,7 +363,7 @@ def count_nonfinite_device(x: jax.Array) -> jax.Array:
     return jnp.zeros((2, 1), jnp.int32)
   x = held(x)
   axes = tuple(range(1, x.ndim)) if x.ndim > 1 else None
-  nan, inf = _entry_kinds([_tested(p) for p in _parts(x)], jnp.logical_or)
+  nan, inf = _entry_kinds([_tested(p) for p in _parts(x)])
   return jnp.stack(
     [
       jnp.atleast_1d(jnp.sum(nan, axis=axes, dtype=jnp.int32)),
@@ -402,9 +400,7 @@ def nonfinite_kinds(leaves: list[Any]) -> jax.Array:
     if not is_float_array(x) or x.size == 0:
       continue
     x = held(x)
-    parts = [
-      _tested(p) for p in ((jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,))
-    ]
+    parts = [_tested(p) for p in _parts(x)]
     dtype = parts[0].dtype
     if explicit_spec(x) is not None:  # sharded in its type: reduced where it lies
       codes = [_kind_codes(_words(part), dtype) for part in parts]
