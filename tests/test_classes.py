@@ -608,3 +608,63 @@ def test_every_import_order_works(order):
     timeout=300,
   )
   assert result.returncode == 0, result.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------
+# a state whose tuples a serializer's round trip made lists: the same state.
+# --------------------------------------------------------------------------
+
+#: Every transformation whose update checks its (inner) state against what
+#: ``init`` makes, and optax's own for reference.
+LISTED = {
+  "optax.adamw": lambda: optax.adamw(1e-3),
+  "dynamic_loss_scale": lambda: ols.dynamic_loss_scale(optax.adamw(1e-3)),
+  "static_loss_scale": lambda: ols.static_loss_scale(optax.adamw(1e-3), 2.0),
+  "dynamic_loss_scale, tracked": lambda: ols.dynamic_loss_scale(
+    optax.adamw(1e-3), track_nonfinite=True
+  ),
+  "master_weights": lambda: ols.master_weights(optax.adamw(1e-3)),
+  "quantize_state": lambda: ols.quantize_state(optax.adamw(1e-3)),
+  "quantize_state, flat": lambda: ols.quantize_state(optax.adamw(1e-3), layout="flat"),
+  "quantize_state(inject_hyperparams)": lambda: ols.quantize_state(
+    optax.inject_hyperparams(optax.adamw, hyperparam_dtype=jnp.float32)(1e-3)
+  ),
+  "adam_8bit": lambda: ols.adam_8bit(1e-3),
+  "all three": lambda: ols.dynamic_loss_scale(
+    ols.master_weights(ols.quantize_state(optax.adamw(1e-3)))
+  ),
+  "all three, flat": lambda: ols.dynamic_loss_scale(
+    ols.master_weights(ols.quantize_state(optax.adamw(1e-3), layout="flat"))
+  ),
+}
+
+
+def _as_lists(tree):
+  """``tree`` with every plain tuple a list, as a serializer may give it back."""
+  if type(tree) is tuple:
+    return [_as_lists(x) for x in tree]
+  if isinstance(tree, tuple):  # a NamedTuple keeps its type
+    return type(tree)(*map(_as_lists, tree))
+  if isinstance(tree, dict):
+    return {k: _as_lists(v) for k, v in tree.items()}
+  return tree
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("entry", LISTED)
+def test_a_state_whose_tuples_became_lists_steps_as_the_state_init_made(entry, dtype):
+  """Bit for bit the step of the state ``init`` made, its new state in
+  ``init``'s structure (as optax's chain gives it back), not an error deep
+  in the 8-bit requantisation or a refusal as another optimizer's state."""
+  tx = LISTED[entry]()
+  params = {"w": jnp.linspace(-1, 1, 512, dtype=dtype), "b": jnp.ones(300, dtype)}
+  grads = jax.tree.map(lambda p: (0.1 * p + 0.01).astype(p.dtype), params)
+  state = tx.init(params)
+  listed = _as_lists(state)
+  assert jax.tree.structure(listed) != jax.tree.structure(state)
+  step = jax.jit(tx.update)
+  want, got = step(grads, state, params), step(grads, listed, params)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert all(np.isfinite(u).all() for u in jax.tree.leaves(want[0]))
+  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

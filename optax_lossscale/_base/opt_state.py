@@ -50,7 +50,7 @@ def check_state_type(name: str, state: Any, cls: type) -> None:
 
 def check_inner_state(
   owner: str, memo: InitMemo, inner_state: Any, grads: Any, params: Any
-) -> None:
+) -> Any:
   """A readable error, at trace time, for a state made by another optimizer.
 
   ``inner_state`` must have the structure and the array shapes the inner
@@ -59,21 +59,26 @@ def check_inner_state(
   ``init`` was seen for). A ``ValueError`` that ``init`` raises on these
   parameters is raised (it names what is wrong with them); an ``init`` that
   needs what cannot be given here is not checked.
+
+  Returns:
+    ``inner_state``, with tuples where ``init`` made tuples and the state
+    holds lists (a serializer's round trip: :func:`_tree.in_containers`).
   """
   like = params if params is not None else grads
   try:
     made = memo.made(like)
   except ValueError:
     if params is None:
-      return
+      return inner_state
     raise
   except Exception:  # noqa: BLE001 - init needs what we cannot give: no check
-    return
+    return inner_state
+  inner_state = _tree.in_containers(inner_state, made)
   expected, got = jax.tree.structure(made), jax.tree.structure(inner_state)
   if got == expected:
     what = "parameters" if params is not None else "gradients"
     _check_shapes(owner, inner_state, made, what)
-    return
+    return inner_state
   nones = [
     _tree.keystr(path)
     for path, g in jax.tree_util.tree_flatten_with_path(

@@ -351,3 +351,33 @@ def rebuilt_as_itself(cls: type) -> type:
 
   jax.tree_util.register_pytree_node(cls, lambda t: (tuple(t), t), unflatten)
   return cls
+
+
+def in_containers(tree: Any, made: Any) -> Any:
+  """``tree`` with a tuple wherever ``made`` (the state ``init`` makes) has
+  a tuple and ``tree`` a list of its length: a state whose tuples a
+  serializer's round trip made lists, given back as ``init`` made it.
+  Every other node is kept as it is.
+
+  >>> in_containers({"a": [1, [2, 3]]}, {"a": (0, (0, 0))})
+  {'a': (1, (2, 3))}
+  """
+  if type(made) is tuple and isinstance(tree, list) and len(tree) == len(made):
+    return tuple(in_containers(t, m) for t, m in zip(tree, made, strict=True))
+  kids, treedef = _children(tree)
+  made_kids, made_def = _children(made)
+  if kids is None or made_kids is None or len(kids) != len(made_kids):
+    return tree
+  if treedef.node_data() != made_def.node_data():
+    return tree  # another node: left for the caller's check to name
+  return treedef.unflatten(
+    [in_containers(t, m) for t, m in zip(kids, made_kids, strict=True)]
+  )
+
+
+def _children(tree: Any) -> tuple[list | None, Any]:
+  """``tree``'s children and its one-level structure; ``None`` for a leaf."""
+  kids, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is not tree)
+  if treedef.num_nodes == 1:  # a leaf (or a node without children)
+    return None, treedef
+  return kids, treedef

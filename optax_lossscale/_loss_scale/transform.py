@@ -138,18 +138,21 @@ def loss_scale_transformation(
     mask = plan.overwrite
     body = inner if mask is None else overwriting
     if mask is None:
-      _opt_state.check_inner_state(
+      inner_state = _opt_state.check_inner_state(
         "this loss scale", memo, state.inner_state, updates, params
       )
     else:
       regular_params = None if params is None else _overwrite.split(params, mask)[0]
-      _opt_state.check_inner_state(
-        "this loss scale",
-        memo,
-        state.inner_state.inner_state,
-        _overwrite.split(updates, mask)[0],
-        regular_params,
+      inner_state = state.inner_state._replace(
+        inner_state=_opt_state.check_inner_state(
+          "this loss scale",
+          memo,
+          state.inner_state.inner_state,
+          _overwrite.split(updates, mask)[0],
+          regular_params,
+        )
       )
+    state = state._replace(inner_state=inner_state)  # as init made it
 
     def as_checked(tree):  # float8 meta values as the floats they hold
       return tree if mask is None else _overwrite.as_floats(tree)

@@ -241,7 +241,7 @@ def adam_8bit(
 
   def run(updates, state, params, apply):
     """The update (``apply``: the new parameters) and the new state."""
-    quantized.check(state, params if params is not None else updates)
+    state = quantized.check(state, params if params is not None else updates)
     if options["weight_decay"] and params is None:
       raise ValueError(
         "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."

@@ -292,12 +292,12 @@ def master_weights(
     ]
     masters, grads = [m for m, _ in both], [g for _, g in both]
     grads, masters_tree = (jax.tree.unflatten(treedef, x) for x in (grads, masters))
-    _opt_state.check_inner_state(
+    inner_state = _opt_state.check_inner_state(
       "master_weights", memo, state.inner_state, grads, masters_tree
     )
     try:
       inner_updates, inner_state = wrapped.update(
-        grads, state.inner_state, masters_tree, **extra_args
+        grads, inner_state, masters_tree, **extra_args
       )
     except (ValueError, TypeError) as e:
       _opt_state.blame_none_gradients(grads, masters_tree, e)

@@ -184,10 +184,12 @@ class StateQuantizer(optax.GradientTransformationExtraArgs):
   def __reduce__(self):  # copy/pickle: rebuilt from what made it
     return (functools.partial(quantize_state, **self.options), (self.inner,))
 
-  def check(self, state: Any, like: Any) -> None:
+  def check(self, state: Any, like: Any) -> Any:
     """A ValueError unless ``state`` is what ``init`` makes for parameters
-    like ``like`` (its type, structure and quantised leaves' layouts)."""
-    self._check(state, like)
+    like ``like`` (its type, structure and quantised leaves' layouts);
+    returns ``state`` with tuples where ``init`` made tuples and the state
+    holds lists (a serializer's round trip)."""
+    return self._check(state, like)
 
 
 def _is_quantized(x: Any) -> bool:
@@ -523,10 +525,13 @@ def quantize_state(
         )[0]
         if _flat.is_grouped(x)
       }
-    _check_layout(expected(like, group_of), state)
+    made_like = expected(like, group_of)
+    state = _tree.in_containers(state, made_like)  # a serializer's lists
+    _check_layout(made_like, state)
+    return state
 
   def update_fn(updates, state, params=None, **extra_args):
-    check(state, params if params is not None else updates)
+    state = check(state, params if params is not None else updates)
     step = next_step(state.rounding_step) if stochastic else None
     # The inner update runs on arrays (nnx variables taken out), its state
     # given back in the stored one's variables.
@@ -682,21 +687,15 @@ def _check_layout(expected: Any, state: Any) -> None:
         "Init a fresh state, or pass the parameters it was made for."
       )
   # The same leaves in other nodes: another optimizer's state (AdaBelief's
-  # count, mu and nu for Adam's, AdamW's chain for Adam's). A list for a
-  # tuple (a serializer's round trip) is the same state.
+  # count, mu and nu for Adam's, AdamW's chain for Adam's).
   got_t, want_t = (jax.tree.structure(x, is_leaf=_is_stored) for x in (state, expected))
-  if _containers(got_t) != _containers(want_t):
+  if got_t != want_t:
     raise ValueError(
       "quantize_state: the state's structure is not the one this "
       "transformation makes for these parameters: it was made by another "
       "transformation (or for other parameters). Init a fresh state.\n"
       f"  state: {_tree.short(got_t)}\n  made:  {_tree.short(want_t)}"
     )
-
-
-def _containers(treedef: Any) -> str:
-  """``treedef`` as text, lists and tuples alike."""
-  return str(treedef).replace("[", "(").replace("]", ")")
 
 
 def _describe(x: Any, dtype: bool = True) -> str:
