@@ -135,6 +135,8 @@ def _bits(tree):
 
 
 def _same(a, b, bfloat16=EXACT):
+  """``a`` and ``b`` bit for bit; the number of leaves compared."""
+  compared = 0
   for (path, x), y in zip(
     jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True
   ):
@@ -142,6 +144,8 @@ def _same(a, b, bfloat16=EXACT):
       assert np.asarray(x).tobytes() == np.asarray(y).tobytes(), jax.tree_util.keystr(
         path
       )
+      compared += 1
+  return compared
 
 
 @pytest.mark.sampled
@@ -312,8 +316,8 @@ def test_scalar_parameters_quantised_as_the_per_leaf_layout_does(params, inner):
   for layout in ("leaf", "flat"):
     tx = ols.quantize_state(make(), min_size=0, block_size=64, layout=layout)
     results.append(_train(tx, params))
-  _same(results[0][0], results[1][0])
-  _same(ols.dequantize_state(results[0][1]), ols.dequantize_state(results[1][1]))
+  assert _same(results[0][0], results[1][0]) == len(jax.tree.leaves(params))
+  assert _same(ols.dequantize_state(results[0][1]), ols.dequantize_state(results[1][1]))
 
 
 def test_updates_of_another_tree_than_the_gradients():
@@ -368,7 +372,7 @@ def test_a_python_number_among_the_parameters_and_a_long_program():
     for layout in ("leaf", "flat"):
       tx = ols.quantize_state(inner, min_size=256, layout=layout)
       results.append(_jit(tx.update)(grads, tx.init(params), params))
-    _same(results[0][0], results[1][0])
+    assert _same(results[0][0], results[1][0]) == 3  # w, k and z
 
 
 def test_no_parameters_and_gradients_of_another_dtype():
