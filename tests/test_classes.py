@@ -313,6 +313,13 @@ def _updates_of(tx):
   return run
 
 
+def _keras_unscaled(opt, leaf):
+  """``leaf`` unscaled by a Keras optimizer's ``get_unscaled_gradients``,
+  its parameter the leaf (its real part: Keras' variables are real)."""
+  param = jnp.real(leaf) if jnp.iscomplexobj(leaf) else leaf
+  return opt.get_unscaled_gradients({"leaf": leaf}, opt.init({"leaf": param}))["leaf"]
+
+
 #: Public entry points that unscale a tree, each ``leaf -> unscaled leaf``.
 UNSCALERS = {
   "unscale": lambda leaf: ols.unscale({"leaf": leaf}, SCALE_8)["leaf"],
@@ -322,16 +329,13 @@ UNSCALERS = {
   "static_loss_scale(identity)": _updates_of(
     ols.static_loss_scale(optax.identity(), SCALE_8)
   ),
-  "LossScaleOptimizer.get_unscaled_gradients": lambda leaf: (
-    lambda opt: opt.get_unscaled_gradients({"leaf": leaf}, opt.init({"leaf": leaf}))[
-      "leaf"
-    ]
-  )(ols.porting.LossScaleOptimizer("sgd", initial_scale=SCALE_8)),
-  "LossScaleOptimizer.get_unscaled_gradients, tf_keras": lambda leaf: (
-    lambda opt: opt.get_unscaled_gradients({"leaf": leaf}, opt.init({"leaf": leaf}))[
-      "leaf"
-    ]
-  )(ols.porting.LossScaleOptimizer("sgd", initial_scale=SCALE_8, legacy_keras=True)),
+  "LossScaleOptimizer.get_unscaled_gradients": lambda leaf: _keras_unscaled(
+    ols.porting.LossScaleOptimizer("sgd", initial_scale=SCALE_8), leaf
+  ),
+  "LossScaleOptimizer.get_unscaled_gradients, tf_keras": lambda leaf: _keras_unscaled(
+    ols.porting.LossScaleOptimizer("sgd", initial_scale=SCALE_8, legacy_keras=True),
+    leaf,
+  ),
   "DynamicLossScale.unscale": lambda leaf: ols.porting.DynamicLossScale(
     SCALE_8
   ).unscale({"leaf": leaf})["leaf"],

@@ -1320,3 +1320,182 @@ def test_keras_configs_keras_refuses_or_we_cannot_run(config, match):
   which Keras refuses, became 0.004)."""
   with pytest.raises(ValueError, match=match):
     P.LossScaleOptimizer(config)
+
+
+# --------------------------------------------------------------------------
+# What TensorFlow and Keras write differently, or refuse: never run with
+# another formula or semantics silently.
+# --------------------------------------------------------------------------
+
+#: OptimizerV2 configs (tf.keras.optimizers.legacy; TensorFlow <= 2.10 with
+#: `decay`): RMSprop's and Adagrad's epsilon sits outside the square root.
+_V2 = {
+  "legacy module": lambda name: {
+    "module": "keras.optimizers.legacy",
+    "class_name": name,
+    "config": {"learning_rate": 0.01},
+  },
+  "decay key": lambda name: {
+    "class_name": name,
+    "config": {"learning_rate": 0.01, "decay": 0.0},
+  },
+}
+
+
+@pytest.mark.parametrize("name", ["RMSprop", "Adagrad", "SGD", "Adam"])
+@pytest.mark.parametrize("form", _V2)
+def test_optimizer_v2_rmsprop_and_adagrad_are_refused(form, name):
+  config = _V2[form](name)
+  if name in ("RMSprop", "Adagrad"):
+    with pytest.raises(ValueError, match="OptimizerV2"):
+      P.LossScaleOptimizer(config)
+    with pytest.raises(ValueError, match="OptimizerV2"):
+      P.LossScaleOptimizer.from_config(
+        {"inner_optimizer": config, "initial_scale": 2.0}
+      )
+  else:  # the same formula as Keras 3's
+    opt = P.LossScaleOptimizer(config, initial_scale=2.0)
+    params = {"w": jnp.ones(3)}
+    updates, _ = opt.update({"w": jnp.full(3, 2.0)}, opt.init(params), params)
+    assert np.all(np.asarray(updates["w"]) < 0)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras 3", "tf_keras"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("where", ["parameter", "gradient"])
+def test_a_complex_leaf_is_refused_by_keras_formulas(where, name, legacy):
+  """Keras' formulas square a gradient (a complex one needs |g|**2), and
+  TensorFlow and Keras refuse complex variables: a ValueError naming it."""
+  opt = P.LossScaleOptimizer(name, initial_scale=8.0, legacy_keras=legacy)
+  real = {"w": jnp.ones(2), "z": jnp.ones(2)}
+  if where == "parameter":
+    with pytest.raises(ValueError, match=r"parameter at \['z'\] is complex"):
+      opt.init({**real, "z": jnp.ones(2, jnp.complex64)})
+    return
+  state = opt.init(real)
+  grads = {"w": jnp.ones(2), "z": jnp.full(2, 1j, jnp.complex64)}
+  for call in (
+    lambda: opt.update(grads, state, real),
+    lambda: opt.apply_gradients(P.UnscaledGradients(grads), state, real),
+  ):
+    with pytest.raises(ValueError, match=r"gradient at \['z'\] is complex"):
+      call()
+  # optax's Adam takes complex parameters: the transformation path is open
+  ok = P.LossScaleOptimizer(optax.adam(1e-3), initial_scale=8.0)
+  z = {"z": jnp.ones(2, jnp.complex64)}
+  updates, _ = ok.update({"z": jnp.full(2, 8j, jnp.complex64)}, ok.init(z), z)
+  np.testing.assert_allclose(np.asarray(updates["z"]), -1e-3j, rtol=1e-5)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras 3", "tf_keras"])
+@pytest.mark.parametrize("overwrite", [None, 2])
+def test_the_weight_average_leaves_integer_leaves_as_they_are(overwrite, legacy):
+  """Not averaged, so never swapped in: a counter set to 8 stays 8 through
+  an overwrite step and finalize_variable_values (it became 0, Keras 3's
+  average's zeros, or the initial value with tf_keras' average)."""
+  opt = P.LossScaleOptimizer(
+    "sgd",
+    initial_scale=2.0,
+    use_ema=True,
+    ema_momentum=0.5,
+    ema_overwrite_frequency=overwrite,
+    legacy_keras=legacy,
+  )
+  params = {"w": jnp.ones(3), "count": jnp.array(7, jnp.int32)}
+  state = opt.init(params)
+  grads = {"w": jnp.full(3, 2.0), "count": jnp.array(0, jnp.int32)}
+  step = jax.jit(opt.apply_gradients)
+  for _ in range(2):
+    params = {**params, "count": params["count"] + 1}  # the model's own counter
+    params, state = step(P.UnscaledGradients(grads), state, params)
+    assert int(params["count"]) == {0: 8, 1: 9}[_]
+  final = opt.finalize_variable_values(params, state)
+  assert int(final["count"]) == 9
+  # the floats averaged (an overwrite at step 2 already swapped them in)
+  swapped = np.allclose(np.asarray(final["w"]), np.asarray(params["w"]))
+  assert swapped == (overwrite == 2)
+
+
+@pytest.mark.parametrize("call", ["update", "apply_gradients"])
+@pytest.mark.parametrize(
+  "grad_shape, param_shape", [((3,), (3, 1)), ((1,), (3,)), ((3, 1), (3,))]
+)
+def test_keras_formulas_check_each_gradient_shape(grad_shape, param_shape, call):
+  """As the optax path: a ValueError naming the leaf and both shapes (a (1,)
+  gradient was broadcast to every element of a (3,) parameter)."""
+  opt = P.LossScaleOptimizer("sgd", initial_scale=2.0)
+  params = {"w": jnp.ones(param_shape)}
+  state = opt.init(params)
+  grads = {"w": jnp.ones(grad_shape)}
+  fn = {
+    "update": lambda: opt.update(grads, state, params),
+    "apply_gradients": lambda: opt.apply_gradients(
+      P.UnscaledGradients(grads), state, params
+    ),
+  }[call]
+  with pytest.raises(ValueError, match=r"\['w'\] has shape"):
+    fn()
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_keras_3_backoff_stops_at_2_to_the_minus_126(jitted):
+  """Keras 3 halves with no floor: below 2**-126 the scale is subnormal,
+  then 0, whose reciprocal makes every gradient NaN, and every later step
+  was skipped, finite ones too. Here it stops at 2**-126, and finite steps
+  apply and grow it again."""
+  opt = P.LossScaleOptimizer("sgd", initial_scale=2.0**-125, dynamic_growth_steps=1)
+  step = jax.jit(opt.apply_gradients) if jitted else opt.apply_gradients
+  params = {"w": jnp.ones(2)}
+  state = opt.init(params)
+  scales = []
+  for finite in [False] * 4 + [True] * 2:
+    grads = {"w": jnp.full(2, 1.0 if finite else jnp.nan)}
+    new, state = step(P.UnscaledGradients(grads), state, params)
+    assert bool(np.all(new["w"] != params["w"])) == finite
+    params = new
+    scales.append(float(opt.loss_scale(state)))
+  assert scales == [2.0**-126] * 4 + [2.0**-125, 2.0**-124]
+
+
+#: tf_keras' and TensorFlow 2.3's LossScaleOptimizer configs (as they write
+#: them): their semantics count a skipped step in `iterations`.
+_TF_CONFIGS = {
+  "tf_keras": lambda inner: {
+    "inner_optimizer": inner,
+    "dynamic": True,
+    "initial_scale": 4.0,
+    "dynamic_growth_steps": 2000,
+  },
+  "TensorFlow 2.3": lambda inner: {
+    "optimizer": inner,
+    "loss_scale": {
+      "class_name": "DynamicLossScale",
+      "config": {"initial_loss_scale": 4.0, "increment_period": 2000},
+    },
+  },
+}
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop"])
+@pytest.mark.parametrize("form", _TF_CONFIGS)
+def test_a_tf_keras_config_is_read_with_tf_keras_semantics(form, name):
+  inner = {"class_name": name, "config": {"learning_rate": 0.1}}
+  config = _TF_CONFIGS[form](inner)
+  if name == "RMSprop":  # tf_keras' semantics are not written for it
+    with pytest.raises(ValueError, match="'legacy_keras': False"):
+      P.LossScaleOptimizer.from_config(config)
+    opt = P.LossScaleOptimizer.from_config({**config, "legacy_keras": False})
+    assert not opt.legacy_keras
+    return
+  opt = P.LossScaleOptimizer.from_config(config)
+  assert opt.legacy_keras
+  params = {"w": jnp.ones(2)}
+  state = opt.init(params)
+  for g in (jnp.inf, 1.0):  # a skipped step, then an applied one
+    params, state = opt.apply_gradients(
+      P.UnscaledGradients({"w": jnp.full(2, g)}), state, params
+    )
+  assert int(opt.iterations(state)) == 2  # tf_keras counts the skipped one
+  # this package's own config says which, and round-trips
+  again = P.LossScaleOptimizer.from_config(opt.get_config())
+  assert again.legacy_keras

@@ -425,3 +425,50 @@ def test_from_config_reads_tensorflows_configs():
   bad = {"class_name": "DynamicLossScale", "config": {"multiplier": 4.0}}
   with pytest.raises(ValueError, match="multiplier"):
     ols.porting.LossScaleOptimizer.from_config({"optimizer": "sgd", "loss_scale": bad})
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: tf_keras.optimizers.Adam(0.1),
+    lambda: tf_keras.optimizers.SGD(0.1, momentum=0.5),
+    lambda: tf_keras.optimizers.legacy.Adam(0.1),
+  ],
+  ids=["Adam", "SGD", "legacy Adam"],
+)
+def test_a_tf_keras_config_read_back_steps_as_tf_keras(make):
+  """tf_keras counts a skipped step in ``iterations`` (Adam's bias
+  correction runs ahead): the optimizer read from its config does too."""
+  import jax.numpy as jnp
+  import optax
+
+  p0 = np.array([1.0, -2.0], np.float32)
+  grads_seq = [np.array([np.inf, 1.0], np.float32)] + [
+    np.array([0.5, -0.25], np.float32)
+  ] * 2
+  var = tf.Variable(p0)
+  theirs = tf_keras.mixed_precision.LossScaleOptimizer(make(), initial_scale=4.0)
+  opt = ols.porting.LossScaleOptimizer.from_config(theirs.get_config())
+  params = jnp.asarray(p0)
+  state = opt.init(params)
+  for g in grads_seq:
+    scaled = [tf.constant(g * float(theirs.loss_scale))]
+    theirs.apply_gradients(
+      zip(theirs.get_unscaled_gradients(scaled), [var], strict=True)
+    )
+    updates, state = opt.update(jnp.asarray(g) * opt.loss_scale(state), state, params)
+    params = optax.apply_updates(params, updates)
+  assert int(opt.iterations(state)) == int(theirs.iterations.numpy()) == 3
+  # to 1e-6 of the leaf's largest magnitude, as every run here (tf_oracle)
+  size = np.abs(var.numpy()).max()
+  np.testing.assert_allclose(np.asarray(params), var.numpy(), rtol=0, atol=1e-6 * size)
+
+
+@pytest.mark.parametrize("name", ["RMSprop", "Adagrad"])
+def test_optimizer_v2_configs_with_another_formula_are_refused(name):
+  """OptimizerV2's RMSprop (at momentum 0) and Adagrad add epsilon to the
+  square root: their configs are refused, not run with Keras 3's formula."""
+  legacy = getattr(tf_keras.optimizers.legacy, name)(0.1)
+  lso = tf_keras.mixed_precision.LossScaleOptimizer(legacy, initial_scale=4.0)
+  with pytest.raises(ValueError, match="OptimizerV2"):
+    ols.porting.LossScaleOptimizer.from_config(lso.get_config())

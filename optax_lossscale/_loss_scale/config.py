@@ -66,8 +66,9 @@ class LossScaleConfig:
       float32), a backoff divides by ``growth_factor`` and floors at 1, and
       nothing else moves the scale, so an initial scale is kept until it
       grows or backs off; a fixed scale keeps the state's scale and counter.
-      ``"keras"``: the same, but a backoff only divides (no floor, as Keras
-      3's ``LossScaleOptimizer``: a scale below 1 keeps halving).
+      ``"keras"``: the same, but a backoff divides and floors at
+      ``min_scale`` (Keras 3's ``LossScaleOptimizer`` has no floor: a scale
+      below 1 keeps halving).
   """
 
   initial_scale: float = DEFAULT_INITIAL_SCALE

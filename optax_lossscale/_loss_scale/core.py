@@ -352,8 +352,9 @@ def adjust(
   ``"tensorflow"`` it is TensorFlow's rule (``LossScaleConfig.bounds``):
   growth only to ``max_scale`` (TensorFlow's: to any finite float32), a
   backoff to ``max(scale / growth_factor, 1)``, no other clamp; under
-  ``"keras"`` (Keras 3's) the backoff is ``scale / growth_factor``, with no
-  floor.
+  ``"keras"`` (Keras 3's) the backoff is ``scale / growth_factor``, floored
+  at ``min_scale`` only (``2**-126`` in the porting package, where Keras 3
+  has no floor).
 
   Returns:
     ``(new state, should_apply)``: whether this step's update is applied.
@@ -380,8 +381,10 @@ def adjust(
       # zero), a backoff divided by the multiplier and floored at 1, no clip.
       grown = jnp.where(grown <= config.max_scale, grown, s.loss_scale)
       backed_off = s.loss_scale / config.growth_factor
-      if config.bounds == "tensorflow":
-        backed_off = jnp.maximum(backed_off, 1.0)
+      # tf_keras' floor is 1; Keras 3's has none, and below 2**-126 its
+      # scale is subnormal, then 0: every later step skipped (min_scale)
+      floor = 1.0 if config.bounds == "tensorflow" else config.min_scale
+      backed_off = jnp.maximum(backed_off, floor)
     else:
       backed_off = s.loss_scale * config.backoff_factor
     scale = jnp.where(grow, grown, jnp.where(back_off, backed_off, s.loss_scale))

@@ -16,6 +16,7 @@ import optax
 from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._base import validate as _validate
+from optax_lossscale.porting import _keras_engine
 from optax_lossscale.porting._keras_engine import KerasOptimizerState
 
 
@@ -191,8 +192,6 @@ def finalize_variable_values(params: optax.Params, opt_state: Any) -> optax.Para
   ema = get_ema_params(opt_state)
 
   def swap(p, avg):
-    if isinstance(avg, optax.MaskedNode) or not _tree.is_float_array(p):
-      return p
-    return avg.astype(p.dtype)
+    return p if isinstance(avg, optax.MaskedNode) else _keras_engine.swapped_in(p, avg)
 
   return jax.tree.map(swap, params, ema)

@@ -437,12 +437,18 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
 
     Reads :meth:`get_config`'s output and the configurations Keras 3,
     tf_keras and TensorFlow 2.3 write (``loss_scale`` holding a
-    ``FixedLossScale`` or ``DynamicLossScale``).
+    ``FixedLossScale`` or ``DynamicLossScale``); tf_keras' and TensorFlow
+    2.3's (a ``dynamic`` or ``loss_scale`` key, no ``legacy_keras``) with
+    tf_keras' semantics, ``legacy_keras=True``, as the optimizer that wrote
+    them counts a skipped step.
 
     Raises:
       ValueError: a key that is none of the constructor's arguments (nor,
-        in TensorFlow 2.3's form, ``optimizer``, ``loss_scale`` and
-        ``name``), as Keras 3 refuses it: nothing is dropped silently.
+        in TensorFlow 2.3's form, ``optimizer``, ``loss_scale``, ``name``
+        and ``legacy_keras``), as Keras 3 refuses it: nothing is dropped
+        silently; a tf_keras or TensorFlow 2.3 config of an optimizer whose
+        tf_keras formula is not written here (the message says to add
+        ``"legacy_keras": False``).
     """
     accepted = _keras_config.constructor_keys(LossScaleOptimizer)
     required = _keras_config.constructor_keys(LossScaleOptimizer, required=True)
@@ -619,12 +625,13 @@ class LossScaleOptimizer(optax.GradientTransformationExtraArgs):
     return _finite.all_finite(_tf_step.unwrap(grads)[0])
 
   def finalize_variable_values(self, params: Any, state: Any) -> Any:
-    """``params`` with the EMA swapped in if ``use_ema``, else ``params``."""
+    """``params`` with the EMA swapped in if ``use_ema``, else ``params``
+    (leaves that are not floating arrays, which are not averaged, as they are)."""
     if not self._config["use_ema"]:
       return params
     if self._keras is not None:
       ema = self._keras_state(state, "ema").ema
-      return jax.tree.map(lambda p, a: a.astype(p.dtype), params, ema)
+      return jax.tree.map(_keras_engine.swapped_in, params, ema)
     # Flax's float8 overwrite leaves are not averaged: they stay as they are.
     return _overwrite.on_regular_leaves(
       lambda p: _ema.finalize_variable_values(p, state), params, state

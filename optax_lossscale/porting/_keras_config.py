@@ -19,6 +19,7 @@ import jax
 
 from optax_lossscale._base import validate as _validate
 from optax_lossscale._loss_scale import config as _config
+from optax_lossscale.porting import _keras_math
 
 __all__ = [
   "BASE_DEFAULTS",
@@ -126,8 +127,9 @@ def inner_parts(inner: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
 
   Raises:
     ValueError: any other form, a ``module`` other than Keras' optimizers
-      or a ``registered_name`` (a custom optimizer), or a serialised
-      learning-rate schedule.
+      or a ``registered_name`` (a custom optimizer), OptimizerV2's RMSprop
+      or Adagrad (a ``.legacy`` module or a ``decay`` key: another
+      formula), or a serialised learning-rate schedule.
   """
   if isinstance(inner, str):
     inner = {"class_name": inner, "config": {}}
@@ -153,6 +155,20 @@ def inner_parts(inner: Any) -> tuple[str, dict[str, Any], dict[str, Any]]:
       f"(registered as {registered!r}) is not one of Keras' optimizers, whose "
       "module is 'keras.optimizers' and registered name None; a custom "
       "optimizer's formula is not known here: pass an optax transformation."
+    )
+  optimizer_v2 = (isinstance(module, str) and module.endswith(".legacy")) or (
+    "decay" in inner.get("config", {})
+  )
+  if optimizer_v2 and inner["class_name"].lower() in ("rmsprop", "adagrad"):
+    raise ValueError(
+      f"`inner_optimizer`: {inner['class_name']!r} is TensorFlow's OptimizerV2 "
+      "(tf.keras.optimizers.legacy, or TensorFlow <= 2.10: its config has "
+      "`decay`), which adds epsilon to the square root (Adagrad, and RMSprop "
+      "at momentum 0) where Keras 3's and tf_keras' formulas add it under "
+      "the root; that formula is not written "
+      "here. Pass an optax transformation with that formula (optax.rmsprop("
+      "..., eps_in_sqrt=False) is OptimizerV2's RMSprop at momentum 0), or "
+      "the config of the optimizer that replaced it."
     )
   own, base = {}, {}
   for k, v in inner.get("config", {}).items():
@@ -202,7 +218,7 @@ def merge_base(given: dict[str, Any], from_inner: dict[str, Any]) -> dict[str, A
 
 
 #: The keys of TensorFlow 2.3's ``LossScaleOptimizer`` config.
-TF23_KEYS = ("optimizer", "loss_scale", "name")
+TF23_KEYS = ("optimizer", "loss_scale", "name", "legacy_keras")
 #: The config keys of TensorFlow's ``LossScale`` classes.
 TF_LOSS_SCALE_KEYS = {
   "FixedLossScale": ("loss_scale_value",),
@@ -286,8 +302,31 @@ def lso_kwargs(
         f"FixedLossScale nor a DynamicLossScale cannot be read: {ls!r}."
       )
     config["inner_optimizer"] = config.pop("optimizer")
-    return config
-  return checked_config("LossScaleOptimizer", config, accepted, required=required)
+  else:
+    config = checked_config("LossScaleOptimizer", config, accepted, required=required)
+    if "dynamic" not in config:  # Keras 3's form (or this package's own)
+      return config
+  return config if "legacy_keras" in config else _tf_keras_semantics(config)
+
+
+def _tf_keras_semantics(config: dict[str, Any]) -> dict[str, Any]:
+  """``config`` of tf_keras' or TensorFlow 2.3's ``LossScaleOptimizer``
+  with ``legacy_keras=True``: theirs count a skipped step in
+  ``iterations``, where Keras 3's does not; a ValueError for an inner
+  optimizer whose tf_keras formula is not written here."""
+  inner = config.get("inner_optimizer")
+  if isinstance(inner, (str, Mapping)):
+    name, _, _ = inner_parts(inner)
+    if name.lower() not in _keras_math.LEGACY:
+      raise ValueError(
+        f"This is tf_keras' or TensorFlow's LossScaleOptimizer config (its "
+        f"`dynamic` or `loss_scale` key), read with tf_keras' semantics "
+        f"(legacy_keras=True: a skipped step counts in `iterations`), which "
+        f"are written for {', '.join(_keras_math.LEGACY)}, not {name!r}. Add "
+        "'legacy_keras': False to the config to read it with Keras 3's (a "
+        "skipped step then does not count)."
+      )
+  return {**config, "legacy_keras": True}
 
 
 def set_inner(state: Any, counters: Any, inner: Any) -> Any:

@@ -98,8 +98,9 @@ def learning_rate(spec: OptimizerSpec, state: KerasOptimizerState) -> jax.Array:
 
 def init(spec: OptimizerSpec, base: BaseArgs, params: Any) -> KerasOptimizerState:
   """A fresh state (the EMA: zeros for Keras 3, ``params`` for tf_keras).
-  Every parameter is an array (a Keras variable), or a ValueError names it."""
+  Every parameter is a real array (a Keras variable), or a ValueError names it."""
   _tree.array_leaves(params, "parameter")
+  check_real(params, "parameter")
   copy = lambda p: jnp.array(p, copy=True)  # noqa: E731
   zeros = lambda p: jnp.zeros(jnp.shape(p), p.dtype)  # noqa: E731
   it = jnp.zeros([], _I32)
@@ -243,7 +244,10 @@ def step(
       ]
     if base.ema_overwrite_frequency:
       overwrite = (iters + 1) % base.ema_overwrite_frequency == 0
-      new_p = [jnp.where(overwrite, a, p) for a, p in zip(ema, new_p, strict=True)]
+      new_p = [
+        jnp.where(overwrite, swapped_in(p, a), p)
+        for a, p in zip(ema, new_p, strict=True)
+      ]
     ema = treedef.unflatten(ema)
   new_state = KerasOptimizerState(
     iterations=(it + 1).astype(_I32),
@@ -253,6 +257,27 @@ def step(
     ema=ema,
   )
   return treedef.unflatten(new_p), new_state
+
+
+def check_real(tree: Any, what: str) -> None:
+  """A ValueError naming the first complex leaf of ``tree``: Keras' formulas
+  square a gradient where a complex one needs ``|g|**2``, and TensorFlow
+  and Keras refuse complex variables."""
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if jnp.iscomplexobj(x):
+      raise ValueError(
+        f"The {what} at {_tree.keystr(path)} is complex ({jnp.result_type(x)}): "
+        "Keras' formulas, which an optimizer given by name runs, are written "
+        "for real variables (TensorFlow and Keras refuse complex ones). Pass an "
+        "optax transformation, such as optax.adam(...), which takes complex "
+        "parameters."
+      )
+
+
+def swapped_in(p: Any, average: jax.Array) -> Any:
+  """The average in ``p``'s place, in its dtype; ``p`` where it is not a
+  floating array (a counter or a step: never averaged)."""
+  return average.astype(p.dtype) if _tree.is_float_array(p) else p
 
 
 def skipped(spec: OptimizerSpec, state: KerasOptimizerState) -> KerasOptimizerState:

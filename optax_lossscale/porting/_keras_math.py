@@ -63,7 +63,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 # The formulas that tf_keras writes differently from Keras 3 are written
 # here for these (SGD's momentum order, its slot kept at momentum 0).
-_LEGACY = ("sgd", "adam", "adamw")
+LEGACY = ("sgd", "adam", "adamw")
 _BOOLS = ("nesterov", "amsgrad", "centered")
 
 
@@ -99,10 +99,10 @@ def spec(name: str, config: Mapping[str, Any], *, legacy: bool) -> OptimizerSpec
       f"`inner_optimizer`: no Keras formula for {name!r} here; known: "
       f"{', '.join(sorted(DEFAULTS))}. Pass an optax transformation instead."
     )
-  if legacy and key not in _LEGACY:
+  if legacy and key not in LEGACY:
     raise ValueError(
       f"`inner_optimizer`: tf_keras' formula for {name!r} is not written here "
-      f"(legacy_keras=True knows {', '.join(_LEGACY)}). Pass "
+      f"(legacy_keras=True knows {', '.join(LEGACY)}). Pass "
       "legacy_keras=False for Keras 3's."
     )
   unknown = sorted(set(config) - set(DEFAULTS[key]))

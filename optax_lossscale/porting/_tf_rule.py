@@ -98,14 +98,16 @@ def keras_config(
 
   tf_keras (``legacy``) floors a backoff at 1 (``bounds="tensorflow"``);
   Keras 3 halves with no floor (``bounds="keras"``), so that a scale below
-  1 keeps halving, as in Keras 3.
+  1 keeps halving, as in Keras 3, down to ``2**-126``: below it the scale
+  is a subnormal float32 number and then 0, whose reciprocal makes every
+  gradient NaN, and every later step would be skipped.
   """
-  _, hi = _validate.SCALE_RANGE
+  lo, hi = _validate.SCALE_RANGE
   dynamic = growth_steps is not None
   return TFRuleConfig(
     initial_scale=initial_scale,
     growth_interval=growth_steps if dynamic else 1,
-    min_scale=min(1.0, initial_scale) if legacy else 0.0,
+    min_scale=min(1.0, initial_scale) if legacy else lo,
     max_scale=hi,
     dynamic=dynamic,
     skip_nonfinite=dynamic,

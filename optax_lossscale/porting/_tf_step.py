@@ -167,6 +167,8 @@ class KerasLossScale:
         f"  grads:  {jax.tree.structure(tree)}\n"
         f"  params: {jax.tree.structure(params)}"
       ) from None
+    _tree.check_grads(tree, params)  # each leaf its parameter's shape
+    _keras_engine.check_real(tree, "gradient")
     # The unscaled gradients decide, as tf_keras checks them: with a scale
     # below 1, what overflows when unscaled is not applied (Keras 3 checks
     # the scaled ones and applies the overflow).
