@@ -499,3 +499,44 @@ def test_a_constant_learning_rate_is_kept_as_given_for_float64(
     want, _ = ref.update(grads, ref.init(params), params)
     assert got["w"].dtype == jnp.float64
     np.testing.assert_allclose(got["w"], want["w"], rtol=4 * 2.0**-52, atol=0)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_injected_hyper_parameters_are_taken_traced(kernel, weight_decay, monkeypatch):
+  """Under ``optax.inject_hyperparams`` the learning rate (and b1, b2, eps,
+  the decay) are traced in a jitted update: taken as optax's Adam takes
+  them (each leaf's program and the kernel get them as operands), so
+  ``set_learning_rate`` works; the state is that of
+  ``quantize_state(inject_hyperparams(optax.adamw))``, bit for bit, each
+  step (they were a ValueError, one name at a time)."""
+  monkeypatch.setattr(fused, "_PROGRAMS", 1)
+  params = _params()
+  inject = optax.inject_hyperparams
+  tx = inject(ols.adam_8bit, static_args=("block_size", "min_size"))(
+    learning_rate=LR, b2=0.99, weight_decay=weight_decay, kernel=kernel
+  )
+  ref = ols.quantize_state(
+    inject(optax.adamw)(learning_rate=LR, b2=0.99, weight_decay=weight_decay)
+  )
+  states = [ols.set_learning_rate(t.init(params), 5e-4) for t in (tx, ref)]
+  for t in range(3):
+    (u, s), (u_ref, s_ref) = (
+      jax.jit(t_.update)(_grads(params, t), s_, params)
+      for t_, s_ in zip((tx, ref), states, strict=True)
+    )
+    states = [s, s_ref]
+    assert _bits(s.inner_state) == _bits(s_ref.inner_state.inner_state)
+    for k in SHAPES:  # as test_the_kernels_agree_and_store_quantize_states_bits
+      a, b = np.asarray(u_ref[k]), np.asarray(u[k])
+      ulp = np.spacing(np.maximum(np.abs(a), np.float32(5e-4)))
+      assert np.all(np.abs(a - b) <= 6 * ulp), k
+    assert float(ols.get_learning_rate(s)) == np.float32(5e-4)
+    params = optax.apply_updates(params, u)
+
+
+def test_injected_layout_arguments_are_refused_by_name():
+  tx = optax.inject_hyperparams(ols.adam_8bit)(learning_rate=LR)
+  params = _params()
+  with pytest.raises(ValueError, match="`block_size` and `min_size` traced"):
+    jax.jit(tx.update)(_grads(params, 0), tx.init(params), params)

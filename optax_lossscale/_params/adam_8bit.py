@@ -152,7 +152,11 @@ def adam_8bit(
     learning_rate: a float, or a schedule (a function of the step count).
     b1, b2, eps, eps_root: Adam's, as ``optax.adam`` takes them.
     weight_decay: AdamW's decoupled weight decay (>= 0; with it ``update``
-      needs the parameters).
+      needs the parameters). A JAX array, as ``optax.inject_hyperparams``
+      gives it, is AdamW's whatever its value (its state is
+      ``optax.adamw``'s). Under ``optax.inject_hyperparams`` every one of
+      these may be injected (and traced), ``block_size`` and ``min_size``
+      not: name them in its ``static_args``.
     block_size, min_size, store_sqrt, rounding: as :func:`quantize_state`
       takes them.
     kernel: ``"xla"`` or ``"pallas"``.
@@ -178,36 +182,59 @@ def adam_8bit(
     0.10000000149011612
   """
   # As float32 computes with them: b1 = 1 - 1e-9 is 1.0 there (a zero bias
-  # correction), 1e39 is inf.
-  if not callable(learning_rate):  # finite in float32; kept as given (float64)
-    _validate.as_f32("learning_rate", learning_rate)
+  # correction), 1e39 is inf. A traced value (optax.inject_hyperparams'
+  # under jit) is taken as optax's Adam takes it, unchecked.
+  if not callable(learning_rate) and not _traced(learning_rate):
+    _validate.as_f32("learning_rate", learning_rate)  # kept as given (float64)
     learning_rate = _validate.as_float("learning_rate", learning_rate)
   for name, given in (("b1", b1), ("b2", b2)):
-    if not 0.0 <= _validate.as_f32(name, given) < 1.0:
+    if not _traced(given) and not 0.0 <= _validate.as_f32(name, given) < 1.0:
       raise ValueError(f"`{name}` must be in [0, 1) in float32, got {given!r}.")
   for name, value in (
     ("eps", eps),
     ("eps_root", eps_root),
     ("weight_decay", weight_decay),
   ):
-    if not _validate.as_f32(name, value) >= 0.0:
+    if not _traced(value) and not _validate.as_f32(name, value) >= 0.0:
       raise ValueError(f"`{name}` must be >= 0, got {value}.")
   if not isinstance(kernel, str) or kernel not in _KERNELS:
     raise ValueError(f"`kernel` must be one of {_KERNELS}, got {kernel!r}.")
-  options = dict(
-    learning_rate=learning_rate,
-    b1=float(b1),
-    b2=float(b2),
-    eps=float(eps),
-    eps_root=float(eps_root),
-    weight_decay=float(weight_decay),
-  )
-  hyper = dict(b1=options["b1"], b2=options["b2"], eps=options["eps"])
-  hyper["eps_root"] = options["eps_root"]
-  if options["weight_decay"]:
-    inner = optax.adamw(learning_rate, weight_decay=options["weight_decay"], **hyper)
-  else:
-    inner = optax.adam(learning_rate, **hyper)
+  layout = [
+    n for n, v in (("block_size", block_size), ("min_size", min_size)) if _traced(v)
+  ]
+  if layout:
+    raise ValueError(
+      f"adam_8bit: {' and '.join(f'`{n}`' for n in layout)} traced: they fix "
+      "the state's layout, so they cannot be injected. Under "
+      "optax.inject_hyperparams name them static: optax.inject_hyperparams("
+      "ols.adam_8bit, static_args=('block_size', 'min_size'))(learning_rate=...)."
+    )
+  options = dict(learning_rate=learning_rate)
+  for name, value in (
+    ("b1", b1),
+    ("b2", b2),
+    ("eps", eps),
+    ("eps_root", eps_root),
+    ("weight_decay", weight_decay),
+  ):
+    options[name] = value if _traced(value) else float(value)
+  # The traced ones reach each leaf's program (and kernel) as operands.
+  traced = {k: v for k, v in options.items() if _traced(v)}
+  # AdamW's state where it decays, or where its decay is a JAX array, as
+  # optax.inject_hyperparams gives it (concrete to init, traced to update):
+  # the state's structure cannot follow a traced value.
+  decays = isinstance(weight_decay, jax.Array) or options["weight_decay"] != 0.0
+
+  def make_inner(**given):
+    """optax's Adam (AdamW where it decays) with ``given`` for the traced."""
+    hyper = {**options, **given}
+    lr = hyper.pop("learning_rate")
+    if decays:
+      return optax.adamw(lr, **hyper)
+    del hyper["weight_decay"]
+    return optax.adam(lr, **hyper)
+
+  inner = make_inner()
   quantized = quantize_state(
     inner,
     block_size=block_size,
@@ -220,10 +247,11 @@ def adam_8bit(
 
   def inner_step(scalar_def, scalars, g, p, m, v):
     """optax's update of one leaf (or tile, or list of leaves), the state's
-    scalars (its counts) flattened by ``scalar_def``: the update, the new
-    moments and the new scalars."""
-    head, *rest = jax.tree.unflatten(scalar_def, scalars)
-    u, new = inner.update(g, (head._replace(mu=m, nu=v), *rest), p)
+    scalars (its counts, then the traced hyper-parameters) flattened by
+    ``scalar_def``: the update, the new moments and the new counts."""
+    (head, *rest), given = jax.tree.unflatten(scalar_def, scalars)
+    adam = make_inner(**given) if given else inner
+    u, new = adam.update(g, (head._replace(mu=m, nu=v), *rest), p)
     new_head = new[0]
     skeleton = (new_head._replace(mu=None, nu=None), *new[1:])
     return u, new_head.mu, new_head.nu, jax.tree.leaves(skeleton)
@@ -242,7 +270,7 @@ def adam_8bit(
   def run(updates, state, params, apply):
     """The update (``apply``: the new parameters) and the new state."""
     state = quantized.check(state, params if params is not None else updates)
-    if options["weight_decay"] and params is None:
+    if decays and params is None:
       raise ValueError(
         "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."
       )
@@ -257,9 +285,8 @@ def adam_8bit(
     grads = treedef.flatten_up_to(updates)
     ps = treedef.flatten_up_to(params) if params is not None else [None] * len(grads)
     mus, nus = treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu)
-    scalars, scalar_def = jax.tree.flatten(
-      (adam._replace(mu=None, nu=None), *inner_state[1:])
-    )
+    counts = (adam._replace(mu=None, nu=None), *inner_state[1:])
+    scalars, scalar_def = jax.tree.flatten((counts, traced))
     step = functools.partial(inner_step, scalar_def)
     fused = [
       i
@@ -311,12 +338,12 @@ def adam_8bit(
     )
     # Adam reads no parameter (AdamW's decay and the kernel's applying do):
     # the step is not given one.
-    reads = ps if options["weight_decay"] or in_kernel else [None] * len(ps)
+    reads = ps if decays or in_kernel else [None] * len(ps)
     for i in fused:
       out_u[i], out_m[i], out_v[i] = leaf_step(grads[i], reads[i], mus[i], nus[i])
       if apply and not in_kernel:  # XLA fuses the addition into the step
         out_u[i] = optax.apply_updates(ps[i], out_u[i])
-    head, *tail = jax.tree.unflatten(scalar_def, new_scalars)
+    head, *tail = jax.tree.unflatten(jax.tree.structure(counts), new_scalars)
     head = head._replace(
       mu=jax.tree.unflatten(treedef, out_m), nu=jax.tree.unflatten(treedef, out_v)
     )
@@ -336,6 +363,10 @@ def adam_8bit(
     rounding=quantized.rounding,
     kernel=kernel,
   )
+
+
+def _traced(x: Any) -> bool:
+  return isinstance(x, jax.core.Tracer)
 
 
 def _tile_rows(rows: int, block_size: int, programs: int = _PROGRAMS) -> int:
