@@ -615,7 +615,7 @@ def test_every_import_order_works(order):
 
 
 # --------------------------------------------------------------------------
-# a state whose tuples a serializer's round trip made lists: the same state.
+# a state as a serializer or a user's conversion gives it back: the same state.
 # --------------------------------------------------------------------------
 
 #: Every transformation whose update checks its (inner) state against what
@@ -654,21 +654,42 @@ def _as_lists(tree):
   return tree
 
 
+def _scalars_as(convert):
+  """A state's 0-d arrays as ``convert`` gives them: Python numbers
+  (``x.item()``), or weakly typed arrays of them (``jnp.asarray``)."""
+  return lambda tree: jax.tree.map(
+    lambda x: convert(x.item()) if np.ndim(x) == 0 else x, tree
+  )
+
+
+#: State origins whose leaves are the state init made, in other containers
+#: or as other kinds of scalar.
+ORIGINS = {
+  "tuples as lists": _as_lists,
+  "Python scalars": _scalars_as(lambda v: v),
+  "weakly typed scalars": _scalars_as(jnp.asarray),
+}
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("origin", ORIGINS)
 @pytest.mark.parametrize("entry", LISTED)
-def test_a_state_whose_tuples_became_lists_steps_as_the_state_init_made(entry, dtype):
+def test_a_state_from_a_serializer_steps_as_the_state_init_made(entry, origin, dtype):
   """Bit for bit the step of the state ``init`` made, its new state in
   ``init``'s structure (as optax's chain gives it back), not an error deep
-  in the 8-bit requantisation or a refusal as another optimizer's state."""
+  in the 8-bit requantisation or the non-finite record's branches, nor a
+  refusal as another optimizer's state; a skipped (NaN) step too."""
   tx = LISTED[entry]()
   params = {"w": jnp.linspace(-1, 1, 512, dtype=dtype), "b": jnp.ones(300, dtype)}
   grads = jax.tree.map(lambda p: (0.1 * p + 0.01).astype(p.dtype), params)
   state = tx.init(params)
-  listed = _as_lists(state)
-  assert jax.tree.structure(listed) != jax.tree.structure(state)
+  other = ORIGINS[origin](state)
   step = jax.jit(tx.update)
-  want, got = step(grads, state, params), step(grads, listed, params)
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  assert all(np.isfinite(u).all() for u in jax.tree.leaves(want[0]))
-  for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  for g in (grads, {**grads, "b": grads["b"].at[3].set(jnp.nan)}):
+    want, got = step(g, state, params), step(g, other, params)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for w, x in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+      assert np.asarray(x).tobytes() == np.asarray(w).tobytes()  # NaN too
+  assert all(
+    np.isfinite(u).all() for u in jax.tree.leaves(step(grads, state, params)[0])
+  )

@@ -115,19 +115,40 @@ def initial_record(params: Any) -> NonFiniteRecord:
   leaf; of an ``optax.LookaheadParams``, the fast weights', as
   ``optax.lookahead`` takes their gradients)."""
   paths = leaf_paths(_tree.graded(params))
-  n = len(paths)
-  return NonFiniteRecord(
-    steps=jnp.zeros([], _I32),
-    nonfinite_steps=jnp.zeros([], _I32),
-    loss_steps=jnp.zeros([], _I32),
-    last_step=jnp.full([], -1, _I32),
-    last_scale=jnp.zeros([], jnp.float32),
-    last_loss=jnp.full([], LOSS_UNKNOWN, jnp.int8),
-    leaf_steps=jnp.zeros([n], _I32),
-    leaf_nan_steps=jnp.zeros([n], _I32),
-    leaf_inf_steps=jnp.zeros([n], _I32),
-    last_leaves=jnp.zeros([n], jnp.uint8),
-    paths=paths,
+  zeros = np.zeros(len(paths))
+  return _in_dtypes(
+    NonFiniteRecord(
+      steps=0,
+      nonfinite_steps=0,
+      loss_steps=0,
+      last_step=-1,
+      last_scale=0.0,
+      last_loss=LOSS_UNKNOWN,
+      leaf_steps=zeros,
+      leaf_nan_steps=zeros,
+      leaf_inf_steps=zeros,
+      last_leaves=zeros,
+      paths=paths,
+    )
+  )
+
+
+#: Each count's dtype.
+_DTYPES = {
+  **dict.fromkeys(("steps", "nonfinite_steps", "loss_steps", "last_step"), _I32),
+  "last_scale": jnp.float32,
+  "last_loss": jnp.int8,
+  **dict.fromkeys(("leaf_steps", "leaf_nan_steps", "leaf_inf_steps"), _I32),
+  "last_leaves": jnp.uint8,
+}
+
+
+def _in_dtypes(record: NonFiniteRecord) -> NonFiniteRecord:
+  """``record`` with each count an array of its dtype: a new record's
+  numbers, or a restored one's Python numbers and weakly typed scalars
+  (which the update's branches would give back in other dtypes)."""
+  return record.replace(
+    **{k: jnp.asarray(getattr(record, k), d) for k, d in _DTYPES.items()}
   )
 
 
@@ -238,6 +259,7 @@ def note(
       f"{len(record.paths)} (the parameters given to init): pass gradients "
       "shaped like those parameters."
     )
+  record = _in_dtypes(record)  # both branches give it back in these
   if value is not None:
     value = _checked_loss(value, axis_name)
 
