@@ -693,3 +693,39 @@ def test_a_state_from_a_serializer_steps_as_the_state_init_made(entry, origin, d
   assert all(
     np.isfinite(u).all() for u in jax.tree.leaves(step(grads, state, params)[0])
   )
+
+
+def _as_restored_without_target(tree):
+  """``tree`` as a checkpoint restored without a target gives it back
+  (Orbax's): NamedTuples as dicts of their fields, tuples as lists."""
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    return {k: _as_restored_without_target(v) for k, v in tree._asdict().items()}
+  if isinstance(tree, (tuple, list)):
+    return [_as_restored_without_target(x) for x in tree]
+  if isinstance(tree, dict):
+    return {k: _as_restored_without_target(v) for k, v in tree.items()}
+  return tree
+
+
+#: Every transformation whose state type this library defines.
+RESTORED = {
+  **{k: LISTED[k] for k in LISTED if k != "optax.adamw"},
+  "ema_params": lambda: ols.ema_params(0.9),
+  "stochastic_rounding": lambda: ols.stochastic_rounding(jax.random.key(0)),
+  "kahan_summation": lambda: ols.kahan_summation(),
+  "LossScaleOptimizer('adam')": lambda: ols.porting.LossScaleOptimizer("adam"),
+  "LossScaleOptimizer(optax.adam)": lambda: ols.porting.LossScaleOptimizer(
+    optax.adam(1e-3)
+  ),
+}
+
+
+@pytest.mark.parametrize("entry", RESTORED)
+def test_a_state_restored_without_a_target_says_how_to_restore_it(entry):
+  """Not only "made by another optimizer": the message names the likely
+  cause and the restore that works."""
+  tx = RESTORED[entry]()
+  params = {"w": jnp.ones(512, BF16), "b": jnp.ones(300, BF16)}
+  restored = _as_restored_without_target(tx.init(params))
+  with pytest.raises(ValueError, match="restored without a target: restore against"):
+    jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), restored, params)

@@ -103,6 +103,7 @@ def ema_params(
     return EmaParamsState(count=jnp.zeros([], jnp.int32), ema=ema)
 
   def update_fn(updates, state, params=None):
+    _opt_state.check_state_type("ema_params", state, EmaParamsState)
     if params is None:
       raise ValueError("ema_params needs the parameters: call update(..., params).")
     new_params = jax.tree.map(
