@@ -22,6 +22,8 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from optax_lossscale._autocast.rules import (
+  AS_WRITTEN,
+  AUTOCAST_CALL,
   CUSTOM_CALLS,
   Rules,
   float32_results,
@@ -158,6 +160,8 @@ def _eval_eqn(eqn, invals, walk: Walk, float32: dict, moved: set):
   flags = [isinstance(v, Literal) or v in moved for v in eqn.invars]
   body = _jaxpr.call_body(eqn)
   outs_float32 = [in_float32(float32, v) for v in eqn.outvars]
+  if body is not None and params.get("name") == AUTOCAST_CALL:
+    return _inner_autocast(eqn, body, invals, walk, outs_float32, flags)
   if body is not None:
     return evaluate(*body, invals, walk, outs_float32, flags)
   if name in CUSTOM_CALLS:
@@ -191,6 +195,22 @@ def _eval_eqn(eqn, invals, walk: Walk, float32: dict, moved: set):
     dtypes = dict.fromkeys(jnp.dtype(v.aval.dtype).name for v in eqn.invars)
     _note(eqn, flags, None, "/".join(dtypes), eqn.outvars[0].aval.dtype, walk)
   return _first_order(eqn, invals, walk.rules)
+
+
+def _inner_autocast(eqn, body, invals, walk: Walk, outs_float32, flags):
+  """An autocast function called inside this one: it decided for its own
+  matmuls (the innermost decides, as nested autocast regions do in
+  PyTorch), so it runs as it rewrote itself; a listing lists its matmuls as
+  they run, ``kept`` ``"inner autocast"``."""
+  invals = _match(invals, [v.aval.dtype for v in eqn.invars])
+  if walk.record is None:
+    return _jaxpr.bind(eqn, invals)
+  before = set(walk.record)
+  as_written = dataclasses.replace(walk, rules=AS_WRITTEN)
+  outs = evaluate(*body, invals, as_written, outs_float32, flags)
+  for key in set(walk.record) - before:
+    walk.record[key]["kept"] = "inner autocast"
+  return outs
 
 
 def _combines(name: str) -> bool:

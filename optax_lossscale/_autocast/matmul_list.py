@@ -6,10 +6,9 @@ import functools
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
 from optax_lossscale._autocast import transform as _autocast
-from optax_lossscale._autocast.rules import Rules
+from optax_lossscale._autocast.rules import AS_WRITTEN
 
 __all__ = ["Matmul", "format_matmuls", "list_matmuls"]
 
@@ -26,11 +25,6 @@ class Matmul(NamedTuple):
   out_dtype: str
   kept: str | None = None
   quantized_from: tuple[str, str] | None = None
-
-
-#: The rules of a function that is not an autocast one: every primitive as
-#: written (each is denied, and a denied input keeps its dtype).
-_AS_WRITTEN = Rules(jnp.float16, (), (), (), ())
 
 
 def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
@@ -68,7 +62,9 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
     matmul with a table the function gathers from, both found by structure,
     the recipe's ``keep``; ``"exclude <pattern>"`` or ``"exclude"``: the
     recipe's ``exclude``; ``"attention"``: the recipe's ``attention`` is
-    off; ``"small"``: an M, K or N below the recipe's ``min_size``),
+    off; ``"small"``: an M, K or N below the recipe's ``min_size``;
+    ``"inner autocast"``: an autocast function called inside decided
+    for it, and it is listed as it runs),
     ``None`` if it runs in the recipe or there is none;
     ``quantized_from``, the dtypes of the two operands the recipe quantises
     (``("float32", "float32")`` for a float32 activation and weight: the
@@ -90,8 +86,8 @@ def list_matmuls(fun: Any, /, *args: Any, **kwargs: Any) -> list[Matmul]:
   while isinstance(fun, functools.partial):  # its arguments go first
     args, kwargs = (*fun.args, *args), {**fun.keywords, **kwargs}
     fun = fun.func
-  inner, rules = getattr(fun, "_autocast", (fun, _AS_WRITTEN))
-  if rules is not _AS_WRITTEN and getattr(fun, "__wrapped__", None) is not inner:
+  inner, rules = getattr(fun, "_autocast", (fun, AS_WRITTEN))
+  if rules is not AS_WRITTEN and getattr(fun, "__wrapped__", None) is not inner:
     # jax.grad, jax.vmap or jax.jit of an autocast function carry its
     # attributes (functools.wraps), and were listed as the function itself.
     raise ValueError(

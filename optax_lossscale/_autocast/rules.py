@@ -92,6 +92,14 @@ class Rules:
     return "deny"
 
 
+#: The rules of a function that is not an autocast one: every primitive as
+#: written (each is denied, and a denied input keeps its dtype).
+AS_WRITTEN = Rules(jnp.float16, (), (), (), ())
+#: The name of the call an autocast function makes of its rewrite, by which
+#: an autocast function that calls it finds it (``_inner_autocast``).
+AUTOCAST_CALL = "_optax_lossscale_autocast_call"
+
+
 def body(eqn) -> tuple[Jaxpr, list[Any]] | None:
   """The body of a call whose invars and outvars are the equation's, or None."""
   found = _jaxpr.call_body(eqn)

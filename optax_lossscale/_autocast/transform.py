@@ -43,7 +43,7 @@ from optax_lossscale._autocast.lists import (
   DENY_LIST,
   INFER_LIST,
 )
-from optax_lossscale._autocast.rules import Rules, is_float
+from optax_lossscale._autocast.rules import AUTOCAST_CALL, Rules, is_float
 from optax_lossscale._base import dtypes as _dtypes
 
 
@@ -87,7 +87,8 @@ def autocast(
   typed), ``None`` and inputs returned as they are included. Its
   ``compute_dtype`` attribute is the half dtype it computes in. It
   rewrites ``fun``'s jaxpr, recursing into ``jit``, ``checkpoint``,
-  ``scan``, ``while_loop`` and ``cond``; a ``custom_jvp``/``custom_vjp``
+  ``scan``, ``while_loop`` and ``cond`` (an autocast function ``fun`` calls
+  runs as it rewrote itself: the innermost decides); a ``custom_jvp``/``custom_vjp``
   function keeps its rule (its body is rewritten, its boundary keeps its
   dtypes; differentiated, JAX runs the rule as written, and a
   :class:`~optax_lossscale.CustomRuleWarning` says so where the body's
@@ -175,7 +176,7 @@ def autocast(
   # Compiled once per input signature (as jax.jit does), so that calls
   # outside jit neither rewrite nor compile the function again; under an
   # outer jit the call is traced into it.
-  cached = jax.jit(functools.partial(rewritten, fun, rules), static_argnums=0)
+  cached = jax.jit(functools.partial(_named_call, fun, rules), static_argnums=0)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -212,7 +213,9 @@ def _call(fun, rules: Rules, cached, args, kwargs):
   try:
     hash(spec)
   except TypeError:  # an unhashable static leaf: rewritten on every call
-    cached = functools.partial(rewritten, fun, rules)
+    cached = lambda _, *arrays: jax.jit(  # noqa: E731
+      functools.partial(_named_call, fun, rules, spec)
+    )(*arrays)
   try:
     out = cached(spec, *arrays)
   except Exception as e:
@@ -244,6 +247,15 @@ def _warn_unmatched(fun, recipe, roles: dict) -> None:
         UserWarning,
         stacklevel=4,
       )
+
+
+def _named_call(fun, rules: Rules, spec, *arrays):
+  """:func:`rewritten`, jitted under the name an autocast function that
+  calls this one finds it by (``AUTOCAST_CALL``): the innermost decides."""
+  return rewritten(fun, rules, spec, *arrays)
+
+
+_named_call.__name__ = _named_call.__qualname__ = AUTOCAST_CALL
 
 
 def rewritten(fun, rules: Rules, spec, *arrays, record: dict | None = None):
