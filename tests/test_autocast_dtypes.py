@@ -6,6 +6,8 @@ values are never rewritten. Each over every rule kind: the allow, deny and
 infer lists and the float8, MXFP8 and NVFP4 recipes.
 """
 
+import warnings
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -365,3 +367,47 @@ def test_list_matmuls_lists_the_matmuls_autocast_leaves_as_written(fun, matmul):
   assert ols.list_matmuls(cast, x, w) == ols.list_matmuls(fun, x, w)
   (m,) = ols.list_matmuls(cast, x, w)
   assert m.out_dtype == cast(x, w).dtype.name
+
+
+def _nested_operands():
+  k = jax.random.split(jax.random.key(3), 4)
+  x = jax.random.normal(k[0], (32, 128))
+  ws = [jax.random.normal(kk, (128, 128)) / 8 for kk in k[1:]]
+  return x, *ws
+
+
+@pytest.mark.parametrize("outer", RECIPES, ids=str)
+@pytest.mark.parametrize("inner", RECIPES, ids=str)
+def test_an_inner_autocast_decides_for_its_own_matmuls(inner, outer):
+  """The innermost autocast decides (as nested autocast regions do in
+  PyTorch): an outer one does not rewrite again what an inner one made, its
+  bfloat16 matmuls and its recipe's emulation GEMMs (they were quantised a
+  second time, with a CustomRuleWarning about the library's own rule).
+  Values and gradients bit for bit, no warning; a listing shows the inner
+  matmul as it runs and the outer's own by the outer's recipe."""
+  x, w1, w2, w3 = _nested_operands()
+  part = ols.autocast(
+    lambda x, w: jnp.tanh(x @ w),
+    compute_dtype=jnp.bfloat16,
+    matmul=inner,
+  )
+  outer_of = lambda f: ols.autocast(  # noqa: E731
+    f, compute_dtype=jnp.bfloat16, matmul=outer
+  )
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w) ** 2)  # noqa: E731
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = jax.jit(jax.value_and_grad(loss(outer_of(part)), argnums=(0, 1)))(x, w1)
+    want = jax.jit(jax.value_and_grad(loss(part), argnums=(0, 1)))(x, w1)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+    def model(x, w1, w2, w3):  # the part, then a hidden and an output layer
+      return (jnp.tanh(part(x, w1) @ w2) @ w3).sum()
+
+    listed = ols.list_matmuls(outer_of(model), x, w1, w2, w3)
+  inner_rows = [m for m in listed if m.kept == "inner autocast"]
+  assert inner_rows  # as they run (a recipe's emulation GEMMs: batched)
+  rest = outer_of(lambda h, w2, w3: (jnp.tanh(h @ w2) @ w3).sum())
+  own = [(m.precision, m.kept) for m in listed if m.kept != "inner autocast"]
+  assert own == [(m.precision, m.kept) for m in ols.list_matmuls(rest, x, w2, w3)]

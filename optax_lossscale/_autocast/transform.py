@@ -176,7 +176,7 @@ def autocast(
   # Compiled once per input signature (as jax.jit does), so that calls
   # outside jit neither rewrite nor compile the function again; under an
   # outer jit the call is traced into it.
-  cached = jax.jit(functools.partial(_named_call, fun, rules), static_argnums=0)
+  cached = jax.jit(_named_call(fun, rules), static_argnums=0)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
@@ -213,9 +213,7 @@ def _call(fun, rules: Rules, cached, args, kwargs):
   try:
     hash(spec)
   except TypeError:  # an unhashable static leaf: rewritten on every call
-    cached = lambda _, *arrays: jax.jit(  # noqa: E731
-      functools.partial(_named_call, fun, rules, spec)
-    )(*arrays)
+    cached = lambda _, *arrays: jax.jit(_named_call(fun, rules, spec))(*arrays)  # noqa: E731
   try:
     out = cached(spec, *arrays)
   except Exception as e:
@@ -249,13 +247,17 @@ def _warn_unmatched(fun, recipe, roles: dict) -> None:
       )
 
 
-def _named_call(fun, rules: Rules, spec, *arrays):
-  """:func:`rewritten`, jitted under the name an autocast function that
-  calls this one finds it by (``AUTOCAST_CALL``): the innermost decides."""
-  return rewritten(fun, rules, spec, *arrays)
+def _named_call(fun, rules: Rules, *spec):
+  """:func:`rewritten` of ``fun`` (``spec`` given, or its first argument),
+  named so that jitted an autocast function that calls this one finds it
+  (``AUTOCAST_CALL``: the innermost decides). A function, not a
+  ``functools.partial``, whose name JAX 0.4 does not record."""
 
+  def call(*args):
+    return rewritten(fun, rules, *spec, *args)
 
-_named_call.__name__ = _named_call.__qualname__ = AUTOCAST_CALL
+  call.__name__ = call.__qualname__ = AUTOCAST_CALL
+  return call
 
 
 def rewritten(fun, rules: Rules, spec, *arrays, record: dict | None = None):
