@@ -1499,3 +1499,48 @@ def test_a_tf_keras_config_is_read_with_tf_keras_semantics(form, name):
   # this package's own config says which, and round-trips
   again = P.LossScaleOptimizer.from_config(opt.get_config())
   assert again.legacy_keras
+
+
+#: Configs with `dynamic` that are not tf_keras': this package's own before
+#: `legacy_keras` (with the core's arguments) and a hand-written one around
+#: an optax transformation. Read as they were written, Keras 3's semantics.
+_OWN_FORMS = {
+  "an earlier own config": lambda: {
+    "inner_optimizer": {"class_name": "rmsprop", "config": {"learning_rate": 0.001}},
+    "dynamic": True,
+    "initial_scale": 2.0**15,
+    "dynamic_growth_steps": 2000,
+    "min_scale": 1.0,
+    "max_scale": 2.0**24,
+    "hysteresis": 1,
+    "track_nonfinite": False,
+  },
+  "an optax inner": lambda: {"inner_optimizer": optax.adam(1e-3), "dynamic": True},
+}
+
+
+@pytest.mark.parametrize("form", _OWN_FORMS)
+def test_a_config_with_dynamic_that_is_not_tf_keras_is_read_as_written(form):
+  opt = P.LossScaleOptimizer.from_config(_OWN_FORMS[form]())
+  assert not opt.legacy_keras
+
+
+def test_a_tf_keras_config_of_an_optimizer_without_a_formula_says_so():
+  config = _TF_CONFIGS["tf_keras"]({"class_name": "Adamax", "config": {}})
+  with pytest.raises(ValueError, match="no Keras formula for 'Adamax'"):
+    P.LossScaleOptimizer.from_config(config)
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("legacy", [False, True], ids=["keras 3", "tf_keras"])
+def test_an_integer_parameter_with_a_float0_gradient_is_left_alone(legacy, jitted):
+  """jax.grad(allow_int=True) gives a counter a float0 gradient: tf_keras'
+  cast to the variable's dtype failed on it eagerly."""
+  params = {"w": jnp.ones(4), "n": jnp.full((), 5, jnp.int32)}
+  grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2), allow_int=True)(params)
+  opt = P.LossScaleOptimizer("sgd", initial_scale=1.0, legacy_keras=legacy)
+  update = jax.jit(opt.update) if jitted else opt.update
+  updates, _ = update(grads, opt.init(params), params)
+  new = optax.apply_updates(params, updates)
+  assert int(new["n"]) == 5
+  np.testing.assert_allclose(np.asarray(new["w"]), 0.98, rtol=1e-6)  # sgd, 0.01

@@ -217,6 +217,15 @@ def merge_base(given: dict[str, Any], from_inner: dict[str, Any]) -> dict[str, A
   return out
 
 
+#: The keys of tf_keras' ``LossScaleOptimizer`` config (``dynamic`` among
+#: them, which Keras 3's lacks).
+TF_KERAS_KEYS = (
+  "inner_optimizer",
+  "dynamic",
+  "initial_scale",
+  "dynamic_growth_steps",
+  "name",
+)
 #: The keys of TensorFlow 2.3's ``LossScaleOptimizer`` config.
 TF23_KEYS = ("optimizer", "loss_scale", "name", "legacy_keras")
 #: The config keys of TensorFlow's ``LossScale`` classes.
@@ -304,8 +313,9 @@ def lso_kwargs(
     config["inner_optimizer"] = config.pop("optimizer")
   else:
     config = checked_config("LossScaleOptimizer", config, accepted, required=required)
-    if "dynamic" not in config:  # Keras 3's form (or this package's own)
-      return config
+    tf_keras = "dynamic" in config and set(config) <= set(TF_KERAS_KEYS)
+    if not tf_keras or not isinstance(config.get("inner_optimizer"), (str, Mapping)):
+      return config  # Keras 3's, or this package's own (of any release)
   return config if "legacy_keras" in config else _tf_keras_semantics(config)
 
 
@@ -317,7 +327,8 @@ def _tf_keras_semantics(config: dict[str, Any]) -> dict[str, Any]:
   inner = config.get("inner_optimizer")
   if isinstance(inner, (str, Mapping)):
     name, _, _ = inner_parts(inner)
-    if name.lower() not in _keras_math.LEGACY:
+    # a name with no Keras formula at all is refused by its own message
+    if name.lower() in _keras_math.DEFAULTS and name.lower() not in _keras_math.LEGACY:
       raise ValueError(
         f"This is tf_keras' or TensorFlow's LossScaleOptimizer config (its "
         f"`dynamic` or `loss_scale` key), read with tf_keras' semantics "

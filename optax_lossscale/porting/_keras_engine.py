@@ -88,7 +88,7 @@ def _learning_rate(spec: OptimizerSpec, iterations: jax.Array, held=None) -> jax
   lr = spec["learning_rate"]
   if callable(lr):
     return _c(lr(iterations))
-  return _c(lr) if held is None else held
+  return _c(lr if held is None else held)  # a restored Python number too
 
 
 def learning_rate(spec: OptimizerSpec, state: KerasOptimizerState) -> jax.Array:
@@ -196,11 +196,15 @@ def step(
   # tf_keras' gradients are in the variables' dtypes; Keras 3's stay as
   # unscaled (float32 for half variables) until the formula casts them.
   g = [
-    jnp.asarray(x).astype(p.dtype if spec.legacy else _wider(x, p))
+    jnp.asarray(x).astype(
+      (p.dtype if _tree.is_float_array(p) else jnp.asarray(x).dtype)
+      if spec.legacy
+      else _wider(x, p)
+    )
     for x, p in zip(g, leaves, strict=True)
   ]
   slots = {k: treedef.flatten_up_to(v) for k, v in state.slots.items()}
-  it = state.iterations
+  it = jnp.asarray(state.iterations, _I32)  # a restored Python number too
   gas = base.gradient_accumulation_steps
   lr = _learning_rate(spec, it, state.learning_rate)
   iters = it // gas if gas else it  # Keras' self.iterations
@@ -284,4 +288,4 @@ def skipped(spec: OptimizerSpec, state: KerasOptimizerState) -> KerasOptimizerSt
   """The state after a skipped step: tf_keras counts it in ``iterations``."""
   if not spec.legacy:
     return state
-  return state._replace(iterations=(state.iterations + 1).astype(_I32))
+  return state._replace(iterations=jnp.asarray(state.iterations, _I32) + 1)
