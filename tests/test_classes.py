@@ -738,3 +738,38 @@ def test_a_state_restored_without_a_target_says_how_to_restore_it(entry):
   restored = _as_restored_without_target(tx.init(params))
   with pytest.raises(ValueError, match="restored without a target: restore against"):
     jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), restored, params)
+
+
+#: Every public reader of a state, each ``state -> value``, with the
+#: transformation whose state it reads.
+READERS = {
+  "get_scale": (lambda: ols.dynamic_loss_scale(optax.adam(1e-3)), ols.get_scale),
+  "diagnostics": (lambda: ols.dynamic_loss_scale(optax.adam(1e-3)), ols.diagnostics),
+  "nonfinite_report": (
+    lambda: ols.dynamic_loss_scale(optax.adam(1e-3), track_nonfinite=True),
+    ols.nonfinite_report,
+  ),
+  "get_learning_rate": (
+    lambda: optax.inject_hyperparams(optax.adam)(1e-3),
+    ols.get_learning_rate,
+  ),
+  "get_ema_params": (lambda: ols.ema_params(0.9), ols.get_ema_params),
+  "LossScaleOptimizer.get_unscaled_gradients": (
+    lambda: ols.porting.LossScaleOptimizer("adam"),
+    lambda s: ols.porting.LossScaleOptimizer("adam").get_unscaled_gradients(
+      {"w": jnp.ones(8)}, s
+    ),
+  ),
+  "LossScaleOptimizer.iterations": (
+    lambda: ols.porting.LossScaleOptimizer("adam"),
+    ols.porting.LossScaleOptimizer("adam").iterations,
+  ),
+}
+
+
+@pytest.mark.parametrize("reader", READERS)
+def test_a_reader_of_a_state_restored_without_a_target_says_how_to_restore_it(reader):
+  make, read = READERS[reader]
+  restored = _as_restored_without_target(make().init({"w": jnp.ones(8)}))
+  with pytest.raises(ValueError, match="restored without a target: restore against"):
+    read(restored)

@@ -45,22 +45,8 @@ def check_state_type(name: str, state: Any, cls: type) -> None:
     raise ValueError(
       f"{name}: the state is a {type(state).__name__}, not a {cls.__name__}: it "
       f"was made by another transformation. Init it with this {name}."
-      f"{restored_hint(state)}"
+      f"{_tree.restored_hint(state)}"
     )
-
-
-def restored_hint(state: Any) -> str:
-  """What to do where a state is a plain dict or list: most often a
-  checkpoint restored without a target (Orbax gives NamedTuples back as
-  dicts, tuples as lists); otherwise nothing."""
-  if not isinstance(state, (dict, list)):
-    return ""
-  return (
-    f" A {type(state).__name__} where a state belongs is most often a "
-    "checkpoint restored without a target: restore against the state init "
-    "makes, jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(params)) "
-    "with Orbax, or pass it as the target of Flax's from_state_dict."
-  )
 
 
 def check_inner_state(

@@ -308,6 +308,7 @@ def find_unique(tree: Any, predicate: Callable[[Any], bool], what: str) -> Any:
   if not found:
     raise ValueError(
       f"No {what} in this optimizer state (of type {type(tree).__name__})."
+      f"{restored_hint(tree)}"
     )
   if len(found) > 1:
     paths = ", ".join(keystr(p) for p, _ in found)
@@ -381,3 +382,20 @@ def _children(tree: Any) -> tuple[list | None, Any]:
   if treedef.num_nodes == 1:  # a leaf (or a node without children)
     return None, treedef
   return kids, treedef
+
+
+def restored_hint(state: Any) -> str:
+  """What to do where a state is a plain dict or list holding no NamedTuple:
+  most often a checkpoint restored without a target (Orbax gives NamedTuples
+  back as dicts, tuples as lists); otherwise nothing."""
+  named = lambda x: isinstance(x, tuple) and hasattr(x, "_fields")  # noqa: E731
+  if not isinstance(state, (dict, list)) or any(
+    named(x) for x in jax.tree.leaves(state, is_leaf=named)
+  ):
+    return ""
+  return (
+    f" A {type(state).__name__} where a state belongs is most often a "
+    "checkpoint restored without a target: restore against the state init "
+    "makes, jax.tree.map(ocp.utils.to_shape_dtype_struct, tx.init(params)) "
+    "with Orbax, or pass it as the target of Flax's from_state_dict."
+  )

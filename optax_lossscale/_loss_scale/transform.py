@@ -117,7 +117,7 @@ def loss_scale_transformation(
         "The loss-scaled optimizer expects the LossScaleState made by its "
         f"own init(); got a state of type {type(state).__name__}. Was this "
         "state produced by another optimizer?"
-        f"{_opt_state.restored_hint(state)}"
+        f"{_tree.restored_hint(state)}"
       )
     _validate_grads(updates, params)
     if track_nonfinite and state.nonfinite is None:

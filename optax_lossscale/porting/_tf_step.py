@@ -18,7 +18,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import rounding as _rounding
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import core as _core
@@ -152,7 +151,7 @@ class KerasLossScale:
     ):
       raise ValueError(
         "This LossScaleOptimizer expects the state made by its own init(); got "
-        f"{type(state).__name__}.{_opt_state.restored_hint(state)}"
+        f"{type(state).__name__}.{_tree.restored_hint(state)}"
       )
     if params is None:
       raise ValueError("A Keras optimizer needs the parameters: pass `params`.")
