@@ -302,14 +302,15 @@ def test_one_trace_a_leaf_shape_however_often_it_is_called(monkeypatch):
   # eager updates and retraces of the step reuse it
   from optax_lossscale._params import quantize_codec as codec
 
+  jax.clear_caches()  # the programs are shared with other tests' (equal steps)
+  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)) * 2}
+  tx = ols.adam_8bit(LR)
+  state = tx.init(params)
   traced = []
   code_blocks = codec.code_blocks
   monkeypatch.setattr(
     codec, "code_blocks", lambda *a, **k: traced.append(1) or code_blocks(*a, **k)
   )
-  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)) * 2}
-  tx = ols.adam_8bit(LR)
-  state = tx.init(params)
   for _ in range(3):
     _, state = tx.update(params, state, params)
   jax.jit(tx.update).lower(params, state, params)
@@ -540,3 +541,54 @@ def test_injected_layout_arguments_are_refused_by_name():
   params = _params()
   with pytest.raises(ValueError, match="`block_size` and `min_size` traced"):
     jax.jit(tx.update)(_grads(params, 0), tx.init(params), params)
+
+
+def test_injected_and_rebuilt_every_update_it_traces_a_leaf_shape_once(monkeypatch):
+  """optax.inject_hyperparams builds adam_8bit anew at every update: eagerly
+  each leaf shape's program was traced and compiled again at every step
+  (its hyper-parameters baked in), about a second a step."""
+  from optax_lossscale._params import quantize_codec as codec
+
+  jax.clear_caches()  # the programs are shared with other tests' (equal steps)
+  params = {"a": jnp.ones((64, 128)), "b": jnp.ones((64, 128)) * 2}
+  tx = optax.inject_hyperparams(ols.adam_8bit, static_args=("block_size", "min_size"))(
+    learning_rate=LR
+  )
+  state = tx.init(params)
+  traced = []
+  code_blocks = codec.code_blocks
+  monkeypatch.setattr(
+    codec, "code_blocks", lambda *a, **k: traced.append(1) or code_blocks(*a, **k)
+  )
+  for rate in (1e-3, 5e-4, 2e-4):  # a new rate each step: an operand
+    state = ols.set_learning_rate(state, rate)
+    _, state = tx.update(params, state, params)
+  assert len(traced) == 2  # mu's and nu's encoder, once
+
+
+def test_under_inject_hyperparams_its_default_is_adam_without_parameters():
+  """Its default weight_decay (None) is not injected: Adam's state, whose
+  update needs no parameters, that of quantize_state(inject(optax.adam))."""
+  params = _params()
+  tx = optax.inject_hyperparams(ols.adam_8bit, static_args=("block_size", "min_size"))(
+    learning_rate=LR
+  )
+  ref = ols.quantize_state(optax.inject_hyperparams(optax.adam)(learning_rate=LR))
+  states = [t.init(params) for t in (tx, ref)]
+  assert jax.tree.structure(states[0].inner_state.inner_state) == jax.tree.structure(
+    states[1].inner_state.inner_state
+  )
+  grads = _grads(params, 0)
+  (_, s), (_, s_ref) = (
+    jax.jit(t.update)(grads, st) for t, st in zip((tx, ref), states, strict=True)
+  )
+  assert _bits(s.inner_state) == _bits(s_ref.inner_state.inner_state)
+
+
+def test_a_half_precision_hyper_parameter_names_hyperparam_dtype():
+  params = {"w": jnp.ones((64, 128), jnp.bfloat16)}
+  tx = optax.inject_hyperparams(ols.adam_8bit, static_args=("block_size", "min_size"))(
+    learning_rate=LR
+  )
+  with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
+    tx.init(params)

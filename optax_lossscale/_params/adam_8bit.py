@@ -17,6 +17,7 @@ values.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -109,7 +110,7 @@ def adam_8bit(
   b2: float = 0.999,
   eps: float = 1e-8,
   eps_root: float = 0.0,
-  weight_decay: float = 0.0,
+  weight_decay: float | None = None,
   *,
   block_size: int = 256,
   min_size: int = 4096,
@@ -152,11 +153,12 @@ def adam_8bit(
     learning_rate: a float, or a schedule (a function of the step count).
     b1, b2, eps, eps_root: Adam's, as ``optax.adam`` takes them.
     weight_decay: AdamW's decoupled weight decay (>= 0; with it ``update``
-      needs the parameters). A JAX array, as ``optax.inject_hyperparams``
-      gives it, is AdamW's whatever its value (its state is
-      ``optax.adamw``'s). Under ``optax.inject_hyperparams`` every one of
-      these may be injected (and traced), ``block_size`` and ``min_size``
-      not: name them in its ``static_args``.
+      needs the parameters); ``None`` (the default) or 0 is Adam. A JAX
+      array, as ``optax.inject_hyperparams`` gives one it is passed, is
+      AdamW's whatever its value (its state is ``optax.adamw``'s). Under
+      ``optax.inject_hyperparams`` every one of these may be injected (and
+      traced), ``block_size`` and ``min_size`` not: name them in its
+      ``static_args``.
     block_size, min_size, store_sqrt, rounding: as :func:`quantize_state`
       takes them.
     kernel: ``"xla"`` or ``"pallas"``.
@@ -185,18 +187,22 @@ def adam_8bit(
   # correction), 1e39 is inf. A traced value (optax.inject_hyperparams'
   # under jit) is taken as optax's Adam takes it, unchecked.
   if not callable(learning_rate) and not _traced(learning_rate):
-    _validate.as_f32("learning_rate", learning_rate)  # kept as given (float64)
-    learning_rate = _validate.as_float("learning_rate", learning_rate)
+    _validate.as_f32("learning_rate", learning_rate)  # a number kept as given (float64)
+    if not isinstance(learning_rate, jax.Array):
+      learning_rate = _validate.as_float("learning_rate", learning_rate)
+  weight_decay = 0.0 if weight_decay is None else weight_decay
   for name, given in (("b1", b1), ("b2", b2)):
     if not _traced(given) and not 0.0 <= _validate.as_f32(name, given) < 1.0:
-      raise ValueError(f"`{name}` must be in [0, 1) in float32, got {given!r}.")
+      raise ValueError(
+        f"`{name}` must be in [0, 1) in float32, got {given!r}.{_cast_hint(given)}"
+      )
   for name, value in (
     ("eps", eps),
     ("eps_root", eps_root),
     ("weight_decay", weight_decay),
   ):
     if not _traced(value) and not _validate.as_f32(name, value) >= 0.0:
-      raise ValueError(f"`{name}` must be >= 0, got {value}.")
+      raise ValueError(f"`{name}` must be >= 0, got {value}.{_cast_hint(value)}")
   if not isinstance(kernel, str) or kernel not in _KERNELS:
     raise ValueError(f"`kernel` must be one of {_KERNELS}, got {kernel!r}.")
   layout = [
@@ -217,24 +223,19 @@ def adam_8bit(
     ("eps_root", eps_root),
     ("weight_decay", weight_decay),
   ):
-    options[name] = value if _traced(value) else float(value)
-  # The traced ones reach each leaf's program (and kernel) as operands.
-  traced = {k: v for k, v in options.items() if _traced(v)}
+    options[name] = value if isinstance(value, jax.Array) else float(value)
+  # JAX arrays (optax.inject_hyperparams' hyper-parameters, concrete or
+  # traced) reach each leaf's program and kernel as operands; the numbers
+  # are constants of it.
+  operands = {k: v for k, v in options.items() if isinstance(v, jax.Array)}
   # AdamW's state where it decays, or where its decay is a JAX array, as
   # optax.inject_hyperparams gives it (concrete to init, traced to update):
   # the state's structure cannot follow a traced value.
-  decays = isinstance(weight_decay, jax.Array) or options["weight_decay"] != 0.0
-
-  def make_inner(**given):
-    """optax's Adam (AdamW where it decays) with ``given`` for the traced."""
-    hyper = {**options, **given}
-    lr = hyper.pop("learning_rate")
-    if decays:
-      return optax.adamw(lr, **hyper)
-    del hyper["weight_decay"]
-    return optax.adam(lr, **hyper)
-
-  inner = make_inner()
+  decays = "weight_decay" in operands or options["weight_decay"] != 0.0
+  adam_step = _AdamStep(
+    tuple((k, v) for k, v in options.items() if k not in operands), decays
+  )
+  inner = adam_step.inner(**operands)
   quantized = quantize_state(
     inner,
     block_size=block_size,
@@ -244,17 +245,6 @@ def adam_8bit(
   )
   block_size, store_sqrt = quantized.block_size, quantized.store_sqrt
   stochastic = quantized.rounding == "stochastic"
-
-  def inner_step(scalar_def, scalars, g, p, m, v):
-    """optax's update of one leaf (or tile, or list of leaves), the state's
-    scalars (its counts, then the traced hyper-parameters) flattened by
-    ``scalar_def``: the update, the new moments and the new counts."""
-    (head, *rest), given = jax.tree.unflatten(scalar_def, scalars)
-    adam = make_inner(**given) if given else inner
-    u, new = adam.update(g, (head._replace(mu=m, nu=v), *rest), p)
-    new_head = new[0]
-    skeleton = (new_head._replace(mu=None, nu=None), *new[1:])
-    return u, new_head.mu, new_head.nu, jax.tree.leaves(skeleton)
 
   def update_fn(updates, state, params=None, **extra_args):
     del extra_args
@@ -272,7 +262,9 @@ def adam_8bit(
     state = quantized.check(state, params if params is not None else updates)
     if decays and params is None:
       raise ValueError(
-        "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, params)."
+        "adam_8bit: weight_decay needs the parameters: tx.update(grads, state, "
+        "params) (an array weight_decay, as optax.inject_hyperparams gives one "
+        "it is passed, is AdamW's whatever its value)."
       )
     # on arrays (nnx variables taken out), as quantize_state's update
     given = params if apply else updates
@@ -286,8 +278,8 @@ def adam_8bit(
     ps = treedef.flatten_up_to(params) if params is not None else [None] * len(grads)
     mus, nus = treedef.flatten_up_to(adam.mu), treedef.flatten_up_to(adam.nu)
     counts = (adam._replace(mu=None, nu=None), *inner_state[1:])
-    scalars, scalar_def = jax.tree.flatten((counts, traced))
-    step = functools.partial(inner_step, scalar_def)
+    scalars, scalar_def = jax.tree.flatten((counts, operands))
+    step = functools.partial(adam_step, scalar_def)
     fused = [
       i
       for i, m in enumerate(mus)
@@ -327,7 +319,7 @@ def adam_8bit(
       _fused_leaf,
       scalars,
       count,
-      step=inner_step,  # one function a transformation: _fused_leaf's cache holds
+      step=adam_step,  # hashed by its constants: _fused_leaf's cache holds
       scalar_def=scalar_def,
       block_size=block_size,
       sqrt=store_sqrt,
@@ -367,6 +359,47 @@ def adam_8bit(
 
 def _traced(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
+
+
+def _cast_hint(value: Any) -> str:
+  """Where a hyper-parameter is an array narrower than float32: how it got so."""
+  if isinstance(value, jax.Array) and jnp.dtype(value.dtype).itemsize < 4:
+    return (
+      " optax.inject_hyperparams casts hyper-parameters to the parameters' "
+      "dtype: pass it hyperparam_dtype=jnp.float32."
+    )
+  return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _AdamStep:
+  """optax's Adam (AdamW where it ``decays``) on one leaf, tile or list of
+  leaves, its constant hyper-parameters ``static``: equal, and hashed
+  alike, however often ``adam_8bit`` is built (``optax.inject_hyperparams``
+  builds it at every update), so each leaf shape's program is compiled
+  once."""
+
+  static: tuple
+  decays: bool
+
+  def inner(self, **given: Any) -> optax.GradientTransformation:
+    """The transformation, ``given`` the hyper-parameters that are arrays."""
+    hyper = {**dict(self.static), **given}
+    lr = hyper.pop("learning_rate")
+    if self.decays:
+      return optax.adamw(lr, **hyper)
+    del hyper["weight_decay"]
+    return optax.adam(lr, **hyper)
+
+  def __call__(self, scalar_def, scalars, g, p, m, v):
+    """The update, the new moments and the new counts; ``scalars`` (the
+    state's counts, then the array hyper-parameters) flattened by
+    ``scalar_def``."""
+    (head, *rest), given = jax.tree.unflatten(scalar_def, scalars)
+    u, new = self.inner(**given).update(g, (head._replace(mu=m, nu=v), *rest), p)
+    new_head = new[0]
+    skeleton = (new_head._replace(mu=None, nu=None), *new[1:])
+    return u, new_head.mu, new_head.nu, jax.tree.leaves(skeleton)
 
 
 def _tile_rows(rows: int, block_size: int, programs: int = _PROGRAMS) -> int:
