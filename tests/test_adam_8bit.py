@@ -539,7 +539,7 @@ def test_injected_hyper_parameters_are_taken_traced(kernel, weight_decay, monkey
 def test_injected_layout_arguments_are_refused_by_name():
   tx = optax.inject_hyperparams(ols.adam_8bit)(learning_rate=LR)
   params = _params()
-  with pytest.raises(ValueError, match="`block_size` and `min_size` traced"):
+  with pytest.raises(ValueError, match="`block_size`, `min_size` given as an array"):
     jax.jit(tx.update)(_grads(params, 0), tx.init(params), params)
 
 

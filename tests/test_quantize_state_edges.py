@@ -425,3 +425,13 @@ def test_a_python_number_gradient_is_taken_eagerly_as_under_jit(layout, number):
   for update in (tx.update, jax.jit(tx.update)):
     got, _ = update(grads, tx.init(params), params)
     chex.assert_trees_all_close(got, want, rtol=1e-6)
+
+
+def test_injected_layout_arguments_are_refused_naming_static_args():
+  """optax.inject_hyperparams makes every number an array, ``bits`` and
+  ``block_size`` too ("`bits` must be one of (8,), got Array(8)")."""
+  tx = optax.inject_hyperparams(ols.quantize_state)(optax.adam(1e-3))
+  with pytest.raises(
+    ValueError, match=r"static_args=\('bits', 'block_size', 'min_size'\)"
+  ):
+    tx.init({"w": jnp.ones(8)})

@@ -33,6 +33,7 @@ from optax_lossscale._params.quantize_state import (
   QuantizedLeaf,
   as_given,
   as_stored,
+  check_layout_args,
   encode_many,
   made,
   next_step,
@@ -205,16 +206,7 @@ def adam_8bit(
       raise ValueError(f"`{name}` must be >= 0, got {value}.{_cast_hint(value)}")
   if not isinstance(kernel, str) or kernel not in _KERNELS:
     raise ValueError(f"`kernel` must be one of {_KERNELS}, got {kernel!r}.")
-  layout = [
-    n for n, v in (("block_size", block_size), ("min_size", min_size)) if _traced(v)
-  ]
-  if layout:
-    raise ValueError(
-      f"adam_8bit: {' and '.join(f'`{n}`' for n in layout)} traced: they fix "
-      "the state's layout, so they cannot be injected. Under "
-      "optax.inject_hyperparams name them static: optax.inject_hyperparams("
-      "ols.adam_8bit, static_args=('block_size', 'min_size'))(learning_rate=...)."
-    )
+  check_layout_args("adam_8bit", block_size=block_size, min_size=min_size)
   options = dict(learning_rate=learning_rate)
   for name, value in (
     ("b1", b1),

@@ -345,6 +345,9 @@ def quantize_state(
     >>> float(ols.dequantize_state(state)[0].mu["w"][0])  # 0.1 * 1.0
     0.10000000149011612
   """
+  check_layout_args(
+    "quantize_state", bits=bits, block_size=block_size, min_size=min_size
+  )
   if (
     not isinstance(bits, (int, np.integer))
     or isinstance(bits, bool)
@@ -575,6 +578,21 @@ def quantize_state(
     select=select,
     layout=layout,
   )
+
+
+def check_layout_args(owner: str, **values: Any) -> None:
+  """A ValueError naming each of ``values`` that is a JAX array, as
+  ``optax.inject_hyperparams`` makes every number it is given (or a
+  default): they fix the state's layout, so they are named static."""
+  arrays = [n for n, v in values.items() if isinstance(v, jax.Array)]
+  if arrays:
+    names = ", ".join(f"'{n}'" for n in values)
+    raise ValueError(
+      f"{owner}: {', '.join(f'`{n}`' for n in arrays)} given as an array "
+      "(optax.inject_hyperparams makes its numbers arrays): they fix the "
+      "state's layout, so they cannot be injected. Name them static: "
+      f"optax.inject_hyperparams(..., static_args=({names}))."
+    )
 
 
 def _out_of_variables(inner_state: Any, picked: list, as_array: Callable) -> Any:
