@@ -7,6 +7,7 @@ must equal the XLA path's bit for bit, and both paths' states must equal
 """
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -592,3 +593,38 @@ def test_a_half_precision_hyper_parameter_names_hyperparam_dtype():
   )
   with pytest.raises(ValueError, match="hyperparam_dtype=jnp.float32"):
     tx.init(params)
+
+
+@dataclasses.dataclass
+class _Warmup:
+  """A schedule that is a dataclass: equal by value, unhashable."""
+
+  steps: int = 10
+
+  def __call__(self, count):
+    return LR * jnp.minimum(1.0, (count + 1) / self.steps)
+
+
+@pytest.mark.parametrize(
+  "schedule",
+  [lambda c: LR / (1.0 + c), optax.linear_schedule(LR, 0.0, 100), _Warmup()],
+  ids=["a function", "optax's", "an unhashable dataclass"],
+)
+def test_any_schedule_steps_as_quantize_state_does(schedule):
+  """Each leaf's program is keyed by its constants, a schedule by identity
+  (a dataclass schedule could not be hashed): the state is quantize_state's
+  bit for bit under jit, and eagerly the step runs too."""
+  params = _params()
+  txs = (ols.adam_8bit(schedule), _reference(0.0, lr=schedule))
+  states = [tx.init(params) for tx in txs]
+  for t in range(2):
+    grads = _grads(params, t)
+    outs = [
+      jax.jit(tx.update)(grads, s, params) for tx, s in zip(txs, states, strict=True)
+    ]
+    eager = txs[0].update(grads, states[0], params)
+    states = [s for _, s in outs]
+    assert _bits(states[0]) == _bits(states[1])
+    np.testing.assert_allclose(
+      eager[0]["lead"], outs[0][0]["lead"], rtol=1e-5, atol=1e-9
+    )

@@ -411,3 +411,51 @@ def test_an_inner_autocast_decides_for_its_own_matmuls(inner, outer):
   rest = outer_of(lambda h, w2, w3: (jnp.tanh(h @ w2) @ w3).sum())
   own = [(m.precision, m.kept) for m in listed if m.kept != "inner autocast"]
   assert own == [(m.precision, m.kept) for m in ols.list_matmuls(rest, x, w2, w3)]
+
+
+#: Every XLA compile in this process (jax.monitoring has no unregister in
+#: JAX 0.4): ``test_an_unhashable_static_argument_...`` counts them.
+_COMPILES: list = []
+jax.monitoring.register_event_duration_secs_listener(
+  lambda event, *_, **__: (
+    _COMPILES.append(event) if event.endswith("backend_compile_duration") else None
+  )
+)
+
+
+class _Config:
+  """A static argument with ``__eq__`` and no ``__hash__``."""
+
+  __hash__ = None  # type: ignore[assignment]
+
+  def __init__(self, depth):
+    self.depth = depth
+
+  def __eq__(self, other):
+    return isinstance(other, _Config) and other.depth == self.depth
+
+
+def test_an_unhashable_static_argument_compiles_nothing_again_and_nests():
+  """Rewritten at every call (it cannot key a cache), op by op: nothing is
+  compiled again after the first call; under an outer autocast the inner
+  one still decides for its matmul."""
+
+  def f(cfg, w, x):
+    for _ in range(cfg.depth):
+      x = jnp.tanh(x @ w)
+    return x.sum()
+
+  g = ols.autocast(f, compute_dtype=jnp.bfloat16)
+  w, x, cfg = jnp.full((64, 64), 0.01), jnp.ones((8, 64)), _Config(3)
+  first = g(cfg, w, x)
+  before = len(_COMPILES)
+  again = [g(cfg, w, x) for _ in range(3)]
+  assert len(_COMPILES) == before
+  assert all(bool(a == first) for a in again)
+  outer = ols.autocast(
+    lambda cfg, w, x: g(cfg, w, x) * 2, compute_dtype=jnp.bfloat16, matmul="float8"
+  )
+  # both compiled (op by op, XLA may round bfloat16 otherwise than fused)
+  got = jax.jit(lambda w, x: outer(cfg, w, x))(w, x)
+  want = jax.jit(lambda w, x: g(cfg, w, x) * 2)(w, x)
+  assert np.asarray(got).tobytes() == np.asarray(want).tobytes()

@@ -213,7 +213,13 @@ def _call(fun, rules: Rules, cached, args, kwargs):
   try:
     hash(spec)
   except TypeError:  # an unhashable static leaf: rewritten on every call
-    cached = lambda _, *arrays: jax.jit(_named_call(fun, rules, spec))(*arrays)  # noqa: E731
+
+    def cached(_, *arrays):
+      call = _named_call(fun, rules, spec)
+      # traced (under an outer autocast, or jit): a named call it finds
+      traced = any(isinstance(x, jax.core.Tracer) for x in arrays)
+      return (jax.jit(call) if traced else call)(*arrays)
+
   try:
     out = cached(spec, *arrays)
   except Exception as e:

@@ -225,7 +225,12 @@ def adam_8bit(
   # the state's structure cannot follow a traced value.
   decays = "weight_decay" in operands or options["weight_decay"] != 0.0
   adam_step = _AdamStep(
-    tuple((k, v) for k, v in options.items() if k not in operands), decays
+    tuple(
+      (k, _ByIdentity(v) if callable(v) else v)
+      for k, v in options.items()
+      if k not in operands
+    ),
+    decays,
   )
   inner = adam_step.inner(**operands)
   quantized = quantize_state(
@@ -363,6 +368,20 @@ def _cast_hint(value: Any) -> str:
   return ""
 
 
+class _ByIdentity:
+  """``value`` (a schedule) equal to itself only: a schedule need not be
+  hashable (a dataclass, an Equinox module holding arrays)."""
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _ByIdentity) and other.value is self.value
+
+  def __hash__(self) -> int:
+    return id(self.value)
+
+
 @dataclasses.dataclass(frozen=True)
 class _AdamStep:
   """optax's Adam (AdamW where it ``decays``) on one leaf, tile or list of
@@ -378,6 +397,7 @@ class _AdamStep:
     """The transformation, ``given`` the hyper-parameters that are arrays."""
     hyper = {**dict(self.static), **given}
     lr = hyper.pop("learning_rate")
+    lr = lr.value if isinstance(lr, _ByIdentity) else lr
     if self.decays:
       return optax.adamw(lr, **hyper)
     del hyper["weight_decay"]
