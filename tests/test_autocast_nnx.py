@@ -298,3 +298,28 @@ def test_constants_written_into_state_as_without_autocast(written, entry):
     want.shape,
   )
   np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("outer", [None, "float8"])
+def test_an_inner_autocast_of_a_module_writes_its_variables_under_an_outer(outer):
+  """The inner autocast decides for the module and carries its writes back
+  (BatchNorm's statistics, the dropout stream): under an outer autocast as
+  called alone, under nnx.jit."""
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(32, 8)), jnp.float32)
+  inner = ols.autocast(lambda model, x: model(x), compute_dtype=jnp.bfloat16)
+  nested = ols.autocast(
+    lambda model, x: inner(model, x) * 2.0, compute_dtype=jnp.bfloat16, matmul=outer
+  )
+  results = []
+  for f in (lambda m, x: inner(m, x) * 2.0, nested):
+    model = _net()
+    step = nnx.jit(lambda m, x, f=f: f(m, x))
+    outs = [np.asarray(step(model, x)) for _ in range(2)]
+    results.append(
+      (outs, np.asarray(model.norm.mean[...]), int(model.drop.rngs.count[...]))
+    )
+  (want, want_mean, want_count), (got, got_mean, got_count) = results
+  assert got_count == want_count == 2
+  assert got_mean.tobytes() == want_mean.tobytes()
+  for a, b in zip(got, want, strict=True):
+    assert a.tobytes() == b.tobytes()
