@@ -205,8 +205,15 @@ class LossScaleTrainState(train_state.TrainState):
 
 
 def _loss_scaled(opt_state: Any) -> bool:
-  """Whether ``opt_state`` holds a loss-scale state (at any depth)."""
-  return bool(_tree.find_all(opt_state, _search.is_loss_scale_state))
+  """Whether ``opt_state`` holds a loss-scale state (at any depth); a
+  ValueError where it is dicts and lists (a checkpoint restored without a
+  target, read as "no loss scale", would give unscaled numbers)."""
+  if _tree.find_all(opt_state, _search.is_loss_scale_state):
+    return True
+  hint = _tree.restored_hint(opt_state)
+  if hint:
+    raise ValueError(f"LossScaleTrainState: opt_state holds no optimizer state.{hint}")
+  return False
 
 
 def _shapes(tree: Any) -> Any:
@@ -239,7 +246,12 @@ def _kept_on_skip(state: Any, skipped: jax.Array, fields: dict[str, Any]) -> dic
         "so the new one must have its tree structure, shapes and dtypes; got "
         f"{_tree.short(_shapes(new))} for {_tree.short(_shapes(old))}."
       )
-    kept[name] = _skip.select_tree(jnp.logical_not(skipped), new, old)
+    if not isinstance(skipped, jax.core.Tracer) and bool(skipped):
+      kept[name] = (
+        old  # an eager skipped step: a Python number kept too, as jit keeps it
+      )
+    else:
+      kept[name] = _skip.select_tree(jnp.logical_not(skipped), new, old)
   return kept
 
 

@@ -342,3 +342,29 @@ def test_parameters_whose_dtype_changed_are_named_with_both_dtypes(eqx, make, re
   # cast back, as optax.apply_updates does, the step goes on
   back = jax.tree.map(lambda n, p: n.astype(p.dtype), promoted, params)
   tx.update(grads, state, back)
+
+
+@pytest.mark.parametrize(
+  "argnums, want",
+  [(np.int64(1), "one"), ((np.int64(1),), "tuple"), (np.int32(-1), "one")],
+  ids=["np.int64", "a tuple of np.int64", "np.int32 negative"],
+)
+def test_numpy_integer_argnums_are_taken_as_jax_takes_them(argnums, want):
+  loss, grad = ols.value_and_grad(lambda a, b: jnp.sum(a * b), argnums=argnums)(
+    _state(), jnp.ones(3), jnp.full(3, 2.0)
+  )
+  expected = np.full(3, 1.0 * SCALE)  # d/db, of the scaled loss
+  got = grad if want == "one" else grad[0]
+  np.testing.assert_array_equal(np.asarray(got), expected)
+  assert float(loss) == 6.0
+
+
+@pytest.mark.parametrize(
+  "out",
+  [lambda loss: (loss, 3), lambda loss: [loss, loss], lambda loss: {"loss": loss}],
+  ids=["a (loss, aux) tuple", "a list", "a dict"],
+)
+def test_a_loss_and_aux_without_has_aux_names_has_aux(out):
+  """Not an error from deep in jnp.asarray on the tuple."""
+  with pytest.raises(ValueError, match="pass has_aux=True"):
+    ols.value_and_grad(lambda a: out(jnp.sum(a)))(_state(), jnp.ones(3))

@@ -411,3 +411,51 @@ def test_a_skipped_step_keeps_the_dropout_count_only_when_before_holds_it(replay
   step(model, optimizer, NAN_X)
   assert int(ols.diagnostics(optimizer)["skipped_steps"]) == 1
   assert count() == (1 if replay else 2)
+
+
+def _as_restored_without_target(tree):
+  """NamedTuples as dicts, tuples as lists: Orbax without a target."""
+  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+    return {k: _as_restored_without_target(v) for k, v in tree._asdict().items()}
+  if isinstance(tree, (tuple, list)):
+    return [_as_restored_without_target(x) for x in tree]
+  if isinstance(tree, dict):
+    return {k: _as_restored_without_target(v) for k, v in tree.items()}
+  return tree
+
+
+@pytest.mark.parametrize(
+  "read",
+  [
+    lambda s: s.loss_scale,
+    lambda s: s.has_loss_scale,
+    lambda s: s.all_steps,
+    lambda s: s.value_and_grad(lambda p: 0.0),
+  ],
+  ids=["loss_scale", "has_loss_scale", "all_steps", "value_and_grad"],
+)
+def test_an_opt_state_restored_without_a_target_is_refused_not_read_as_unscaled(read):
+  """It was read as "no loss scale": a scale of 1, unscaled gradients."""
+  state = _create(State, ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=1024.0))
+  restored = state.replace(opt_state=_as_restored_without_target(state.opt_state))
+  with pytest.raises(ValueError, match="restored without a target"):
+    read(restored)
+
+
+class Epoch(LossScaleTrainState):
+  epoch: Any = None
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_python_number_field_keeps_its_value_on_a_skipped_step(jitted):
+  state = Epoch.create(
+    apply_fn=None,
+    params={"w": jnp.ones(3)},
+    tx=ols.dynamic_loss_scale(optax.sgd(0.1)),
+    epoch=0,
+  )
+  step = lambda s, g: s.apply_gradients(grads=g, epoch=1)  # noqa: E731
+  step = jax.jit(step) if jitted else step
+  skipped = step(state, {"w": jnp.full(3, jnp.nan)})
+  applied = step(state, {"w": jnp.ones(3)})
+  assert int(skipped.epoch) == 0 and int(applied.epoch) == 1

@@ -389,9 +389,8 @@ def restored_hint(state: Any) -> str:
   most often a checkpoint restored without a target (Orbax gives NamedTuples
   back as dicts, tuples as lists); otherwise nothing."""
   named = lambda x: isinstance(x, tuple) and hasattr(x, "_fields")  # noqa: E731
-  if not isinstance(state, (dict, list)) or any(
-    named(x) for x in jax.tree.leaves(state, is_leaf=named)
-  ):
+  nodes = jax.tree.leaves(state, is_leaf=named)
+  if not isinstance(state, (dict, list)) or not nodes or any(map(named, nodes)):
     return ""
   return (
     f" A {type(state).__name__} where a state belongs is most often a "

@@ -8,6 +8,7 @@ loss function is scaled; the Flax helpers use it too.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,12 @@ def scaled_loss_fn(
         "value_and_grad(has_aux=True): the loss function must return a pair "
         f"(loss, auxiliary output), got {got}."
       )
+    if not has_aux and isinstance(out, (tuple, list, dict)):
+      raise ValueError(
+        "value_and_grad: the loss function returned a "
+        f"{type(out).__name__}, not a scalar loss; if it returns (loss, "
+        "auxiliary output), pass has_aux=True."
+      )
     loss = out[0] if has_aux else out
     dtype = getattr(loss, "dtype", None) or jnp.result_type(loss)
     if not jnp.issubdtype(dtype, jnp.inexact):  # jax.grad refuses it too
@@ -69,10 +76,27 @@ def scaled_loss_fn(
   return scaled
 
 
+def _is_index(x: Any) -> bool:
+  """An integer (a NumPy one too, as JAX takes it), not a bool."""
+  return _index(x) is not None
+
+
+def _index(x: Any) -> int | None:
+  if isinstance(x, bool):
+    return None
+  try:
+    return operator.index(x)
+  except TypeError:
+    return None
+
+
 def _positions(argnums: int | Sequence[int], count: int) -> tuple[int, ...]:
   """``argnums`` as non-negative positions among ``count`` arguments."""
-  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-  bad = [i for i in nums if not isinstance(i, int) or not -count <= i < count]
+  try:
+    nums = tuple(map(_index, (argnums,) if _is_index(argnums) else argnums))
+  except TypeError:  # neither an integer nor a sequence of them
+    nums = (None,)
+  bad = [i for i in nums if i is None or not -count <= i < count]
   if bad or not nums:
     raise ValueError(
       f"value_and_grad(argnums={argnums!r}): positions of the loss function's "
@@ -154,6 +178,6 @@ def value_and_grad(
 
     positions = tuple(range(len(nums)))
     (_, out), grads = jax.value_and_grad(on_arrays, positions, has_aux=True)(*arrays)
-    return out, grads[0] if isinstance(argnums, int) else grads
+    return out, grads[0] if _is_index(argnums) else grads
 
   return wrapper
