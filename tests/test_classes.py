@@ -702,15 +702,15 @@ def test_a_state_from_a_serializer_steps_as_the_state_init_made(
   )
 
 
-def _as_restored_without_target(tree):
+def as_restored_without_target(tree):
   """``tree`` as a checkpoint restored without a target gives it back
   (Orbax's): NamedTuples as dicts of their fields, tuples as lists."""
   if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-    return {k: _as_restored_without_target(v) for k, v in tree._asdict().items()}
+    return {k: as_restored_without_target(v) for k, v in tree._asdict().items()}
   if isinstance(tree, (tuple, list)):
-    return [_as_restored_without_target(x) for x in tree]
+    return [as_restored_without_target(x) for x in tree]
   if isinstance(tree, dict):
-    return {k: _as_restored_without_target(v) for k, v in tree.items()}
+    return {k: as_restored_without_target(v) for k, v in tree.items()}
   return tree
 
 
@@ -735,7 +735,7 @@ def test_a_state_restored_without_a_target_says_how_to_restore_it(entry):
   cause and the restore that works."""
   tx = RESTORED[entry]()
   params = {"w": jnp.ones(512, BF16), "b": jnp.ones(300, BF16)}
-  restored = _as_restored_without_target(tx.init(params))
+  restored = as_restored_without_target(tx.init(params))
   with pytest.raises(ValueError, match="restored without a target: restore against"):
     jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), restored, params)
 
@@ -770,6 +770,6 @@ READERS = {
 @pytest.mark.parametrize("reader", READERS)
 def test_a_reader_of_a_state_restored_without_a_target_says_how_to_restore_it(reader):
   make, read = READERS[reader]
-  restored = _as_restored_without_target(make().init({"w": jnp.ones(8)}))
+  restored = as_restored_without_target(make().init({"w": jnp.ones(8)}))
   with pytest.raises(ValueError, match="restored without a target: restore against"):
     read(restored)

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.standard_promotion  # Flax's own code
 import flax.linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.training import train_state  # noqa: E402
+from test_classes import as_restored_without_target  # noqa: E402
 
 import optax_lossscale as ols  # noqa: E402
 from optax_lossscale.flax import (  # noqa: E402
@@ -413,17 +414,6 @@ def test_a_skipped_step_keeps_the_dropout_count_only_when_before_holds_it(replay
   assert count() == (1 if replay else 2)
 
 
-def _as_restored_without_target(tree):
-  """NamedTuples as dicts, tuples as lists: Orbax without a target."""
-  if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-    return {k: _as_restored_without_target(v) for k, v in tree._asdict().items()}
-  if isinstance(tree, (tuple, list)):
-    return [_as_restored_without_target(x) for x in tree]
-  if isinstance(tree, dict):
-    return {k: _as_restored_without_target(v) for k, v in tree.items()}
-  return tree
-
-
 @pytest.mark.parametrize(
   "read",
   [
@@ -437,7 +427,7 @@ def _as_restored_without_target(tree):
 def test_an_opt_state_restored_without_a_target_is_refused_not_read_as_unscaled(read):
   """It was read as "no loss scale": a scale of 1, unscaled gradients."""
   state = _create(State, ols.dynamic_loss_scale(optax.sgd(0.1), initial_scale=1024.0))
-  restored = state.replace(opt_state=_as_restored_without_target(state.opt_state))
+  restored = state.replace(opt_state=as_restored_without_target(state.opt_state))
   with pytest.raises(ValueError, match="restored without a target"):
     read(restored)
 
