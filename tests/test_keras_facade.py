@@ -1544,3 +1544,23 @@ def test_an_integer_parameter_with_a_float0_gradient_is_left_alone(legacy, jitte
   new = optax.apply_updates(params, updates)
   assert int(new["n"]) == 5
   np.testing.assert_allclose(np.asarray(new["w"]), 0.98, rtol=1e-6)  # sgd, 0.01
+
+
+@pytest.mark.parametrize("call", ["update", "apply_gradients"])
+@pytest.mark.parametrize("where", ["['w']", "['b']"], ids=["a leaf", "a subtree"])
+def test_keras_formulas_name_a_none_gradient(where, call):
+  """Keras skips a variable whose gradient is None (with a warning); its
+  formulas here need one: a ValueError naming it, on both entry points."""
+  opt = P.LossScaleOptimizer("sgd", initial_scale=2.0)
+  params = {"w": jnp.ones(3), "b": {"x": jnp.ones(2)}}
+  state = opt.init(params)
+  grads = {"w": jnp.ones(3), "b": {"x": jnp.ones(2)}}
+  grads[where[2]] = None
+  fn = {
+    "update": lambda: opt.update(grads, state, params),
+    "apply_gradients": lambda: opt.apply_gradients(
+      P.UnscaledGradients(grads), state, params
+    ),
+  }[call]
+  with pytest.raises(ValueError, match=rf"gradient at \{where[:-1]}\] is None"):
+    fn()

@@ -255,8 +255,8 @@ def _warn_unmatched(fun, recipe, roles: dict) -> None:
 
 def _named_call(fun, rules: Rules, *spec):
   """:func:`rewritten` of ``fun`` (``spec`` given, or its first argument),
-  named so that jitted an autocast function that calls this one finds it
-  (``AUTOCAST_CALL``: the innermost decides). A function, not a
+  named ``AUTOCAST_CALL`` so that, jitted, an autocast function that calls
+  this one finds it (the innermost decides). A function, not a
   ``functools.partial``, whose name JAX 0.4 does not record."""
 
   def call(*args):

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from optax_lossscale._base import opt_state as _opt_state
 from optax_lossscale._base import rounding as _rounding
 from optax_lossscale._base import tree as _tree
 from optax_lossscale._loss_scale import core as _core
@@ -159,15 +160,13 @@ class KerasLossScale:
     if not unscaled:
       tree = self.unscale(tree, state.loss_scale)
     _tree.array_leaves(tree)
-    try:
-      jax.tree.map(lambda g, p: None, tree, params)
-    except (ValueError, TypeError):
+    _tree.check_grads(tree, params)  # the parameters' tree, each leaf its shape
+    nones = _opt_state.none_gradients(tree, params)
+    if nones:  # Keras skips such a variable with a warning; its formula needs one
       raise ValueError(
-        "The gradient tree does not match the parameter tree.\n"
-        f"  grads:  {jax.tree.structure(tree)}\n"
-        f"  params: {jax.tree.structure(params)}"
-      ) from None
-    _tree.check_grads(tree, params)  # each leaf its parameter's shape
+        f"The gradient at {', '.join(nones[:4])} is None: Keras' formulas need "
+        "a gradient for every parameter. Give zeros (jnp.zeros_like)."
+      )
     _keras_engine.check_real(tree, "gradient")
     # The unscaled gradients decide, as tf_keras checks them: with a scale
     # below 1, what overflows when unscaled is not applied (Keras 3 checks
